@@ -1,0 +1,116 @@
+"""Pure tensor functions the layouts are built from: no I/O, no floating-point arithmetic.
+
+Every function moves or zero-fills whole elements, working on a same-width integer view of the
+tensor, so bf16, fp32 and fp8 values (and their bit patterns) are carried over exactly.
+
+The pad-global placement ("interleaved per half", FACTS.md section 4): head dim i < d/2 goes to slot
+r*i and d/2+i goes to D/2 + r*i, with r = D/d. Default RoPE over D then pairs (p, p + D/2) exactly
+like the original pair (i, i + d/2), with the same frequency, so no rope config changes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(_INT_VIEW[tensor.element_size()])
+
+
+def _head_ratio(head_dim: int, target_head_dim: int) -> int:
+    if head_dim % 2 or target_head_dim % head_dim:
+        raise ValueError(f"cannot place head_dim {head_dim} into {target_head_dim}: need an even head_dim "
+                         "and a target that is an integer multiple of it")
+    return target_head_dim // head_dim
+
+
+def _check_rows(tensor: torch.Tensor, rows: int, what: str) -> None:
+    if tensor.dim() == 0 or tensor.shape[0] != rows:
+        raise ValueError(f"{what}: expected {rows} rows, got shape {tuple(tensor.shape)}")
+
+
+def pad_head_rows(weight: torch.Tensor, *, num_heads: int, head_dim: int, target_head_dim: int) -> torch.Tensor:
+    """Grows each head's rows from head_dim to target_head_dim, duplicating every row into its copy slots.
+
+    Args:
+        weight: q/k/v projection weight, bias or per-row scale; rows are [num_heads * head_dim].
+        num_heads: heads stacked along the rows.
+        head_dim: current rows per head (d).
+        target_head_dim: rows per head after padding (D, an integer multiple of d).
+
+    Returns:
+        Tensor with num_heads * target_head_dim rows: per head and per half, each row repeated r = D/d times.
+    """
+    ratio = _head_ratio(head_dim, target_head_dim)
+    _check_rows(weight, num_heads * head_dim, "pad_head_rows")
+    rest = tuple(weight.shape[1:])
+    halves = _as_int(weight).reshape(num_heads, 2, head_dim // 2, *rest)
+    padded = halves.repeat_interleave(ratio, dim=2)
+    return padded.reshape(num_heads * target_head_dim, *rest).view(weight.dtype)
+
+
+def _place_primary(values: torch.Tensor, ratio: int) -> torch.Tensor:
+    """[..., n] -> [..., n * ratio] with values at every ratio-th slot and zero bits elsewhere."""
+    out = torch.zeros(*values.shape, ratio, dtype=values.dtype)
+    out[..., 0] = values
+    return out.reshape(*values.shape[:-1], values.shape[-1] * ratio)
+
+
+def pad_head_norm(weight: torch.Tensor, *, head_dim: int, target_head_dim: int) -> torch.Tensor:
+    """q_norm / k_norm weight [d] -> [D]: original values at the primary slots, zeros at the copies.
+
+    The duplicated rows keep the RMS of each head unchanged; the zero weights silence the copies
+    so the q.k product only sees the primary slots.
+    """
+    ratio = _head_ratio(head_dim, target_head_dim)
+    if tuple(weight.shape) != (head_dim,):
+        raise ValueError(f"pad_head_norm: expected shape ({head_dim},), got {tuple(weight.shape)}")
+    return _place_primary(_as_int(weight), ratio).view(weight.dtype)
+
+
+def pad_head_columns(weight: torch.Tensor, *, num_heads: int, head_dim: int, target_head_dim: int) -> torch.Tensor:
+    """o_proj weight [out, num_heads * d] -> [out, num_heads * D]: W at the primary columns, zeros at the copies.
+
+    Per-output-row scales (fp8 per-channel) need no change: zero is exact under any scale.
+    """
+    ratio = _head_ratio(head_dim, target_head_dim)
+    if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim:
+        raise ValueError(f"pad_head_columns: expected [*, {num_heads * head_dim}], got {tuple(weight.shape)}")
+    return _place_primary(_as_int(weight), ratio).view(weight.dtype)
+
+
+def replicate_kv_heads(weight: torch.Tensor, *, num_heads: int, head_dim: int, repeats: int) -> torch.Tensor:
+    """Repeats each KV head `repeats` times in place: head j -> heads j*repeats .. j*repeats + repeats - 1.
+
+    Exact for grouped-query attention: query head h reads KV head h // (H / kv) before and after.
+
+    Args:
+        weight: k projection weight, bias or per-row scale; rows are [num_heads * head_dim].
+        num_heads: KV heads stacked along the rows (G).
+        head_dim: rows per head.
+        repeats: copies of each head (num_key_value_heads / G).
+
+    Returns:
+        Tensor with num_heads * repeats * head_dim rows.
+    """
+    _check_rows(weight, num_heads * head_dim, "replicate_kv_heads")
+    rest = tuple(weight.shape[1:])
+    heads = _as_int(weight).reshape(num_heads, head_dim, *rest)
+    return heads.repeat_interleave(repeats, dim=0).reshape(num_heads * repeats * head_dim, *rest).view(weight.dtype)
+
+
+TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
+    "pad_head_rows": pad_head_rows,
+    "pad_head_norm": pad_head_norm,
+    "pad_head_columns": pad_head_columns,
+    "replicate_kv_heads": replicate_kv_heads,
+}
+
+
+def apply_transform(name: str, tensor: torch.Tensor, params: dict[str, int]) -> torch.Tensor:
+    """Runs the named transform; the name and params are what conversion.json records for the tensor."""
+    return TRANSFORMS[name](tensor, **params)
