@@ -1,0 +1,271 @@
+"""What a Gemma 4 config.json means: role, dialect and per-layer attention geometry (pure, no I/O).
+
+Geometry follows stock vLLM 0.27.0 (FACTS.md section 3): a full-attention layer uses
+`global_head_dim`, and `num_global_key_value_heads` KV heads when `attention_k_eq_v`; a sliding layer
+uses `head_dim` and `num_key_value_heads`. The transformers >= 5.15 dialect carries the full-layer
+values in `per_layer_config` instead; when both are present transformers ignores the flat keys
+(`Gemma4TextConfig.__post_init__` only builds per_layer_config from them when it is absent).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import InputError
+
+TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text"}
+ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+ROLE_TARGET = "target"
+ROLE_ASSISTANT = "assistant"
+
+DIALECT_LEGACY = "legacy"
+DIALECT_PER_LAYER = "per_layer_config"
+DIALECT_BOTH = "both"
+
+# The keys stock vLLM 0.27 reads for per-layer-type geometry, in the order the per-layer layout writes them.
+GEOMETRY_KEYS = ("head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads",
+                 "attention_k_eq_v", "layer_types")
+_PER_LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm")
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Attention geometry of one decoder layer, as vLLM 0.27 builds it."""
+
+    index: int
+    layer_type: str
+    head_dim: int
+    num_kv_heads: int
+    k_eq_v: bool
+    kv_shared: bool
+
+    @property
+    def is_full(self) -> bool:
+        return self.layer_type == FULL
+
+    @property
+    def has_k(self) -> bool:
+        return not self.kv_shared
+
+    @property
+    def has_v(self) -> bool:
+        return not self.kv_shared and not self.k_eq_v
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The attention keys of a text config, resolved from whichever dialect the file uses."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    global_head_dim: int
+    num_kv_heads: int
+    num_global_kv_heads: int
+    k_eq_v: bool
+    layer_types: tuple[str, ...]
+    num_kv_shared_layers: int
+    sliding_window: int | None
+
+    def layer(self, index: int) -> LayerGeometry:
+        full = self.layer_types[index] == FULL
+        kv_shared = index >= len(self.layer_types) - self.num_kv_shared_layers
+        return LayerGeometry(
+            index=index,
+            layer_type=self.layer_types[index],
+            head_dim=self.global_head_dim if full else self.head_dim,
+            num_kv_heads=self.num_global_kv_heads if (full and self.k_eq_v) else self.num_kv_heads,
+            k_eq_v=full and self.k_eq_v,
+            kv_shared=kv_shared,
+        )
+
+    @property
+    def is_homogeneous(self) -> bool:
+        """True when no layer differs from another in head size or KV heads (nothing for transformers to reject)."""
+        return len({(g.head_dim, g.num_kv_heads) for g in self.layers}) == 1
+
+    @property
+    def layers(self) -> tuple[LayerGeometry, ...]:
+        return tuple(self.layer(i) for i in range(len(self.layer_types)))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A checkpoint's identity and geometry, decided from config.json alone."""
+
+    role: str
+    model_type: str
+    multimodal: bool
+    text_config_key: str | None
+    weight_prefix: str
+    dialect: str
+    attention: AttentionConfig
+    backbone_hidden_size: int | None
+    quantization: Mapping[str, Any] | None
+
+    @property
+    def kind(self) -> str:
+        if self.role == ROLE_ASSISTANT:
+            return f"MTP assistant ({self.model_type})"
+        return f"Gemma 4 target ({'multimodal' if self.multimodal else 'text-only'} {self.model_type})"
+
+    def last_layer_of_type(self, layer_type: str) -> int | None:
+        found = [i for i, t in enumerate(self.attention.layer_types) if t == layer_type]
+        return found[-1] if found else None
+
+
+def text_config_of(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The dict holding the attention keys: `text_config` when nested, else the config itself."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, Mapping) else config
+
+
+def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
+    """Interprets a Gemma 4 target or assistant config.json.
+
+    Args:
+        config: the parsed config.json.
+        source: file name used in error messages.
+
+    Returns:
+        The ModelSpec.
+
+    Raises:
+        InputError: not a Gemma 4 target/assistant, or a required key is missing or contradictory.
+    """
+    model_type = config.get("model_type")
+    if model_type in ASSISTANT_MODEL_TYPES:
+        role, multimodal = ROLE_ASSISTANT, False
+    elif model_type in TARGET_MODEL_TYPES:
+        role, multimodal = ROLE_TARGET, TARGET_MODEL_TYPES[model_type] == "multimodal"
+    else:
+        known = ", ".join((*TARGET_MODEL_TYPES, *ASSISTANT_MODEL_TYPES))
+        raise InputError(f"{source}: model_type {model_type!r} is not Gemma 4 (expected one of {known})")
+    nested = role == ROLE_ASSISTANT or multimodal
+    if nested and not isinstance(config.get("text_config"), Mapping):
+        raise InputError(f"{source}: model_type {model_type!r} needs a `text_config` object")
+    text = text_config_of(config)
+    dialect, attention = _read_attention(text, role=role, source=source)
+    return ModelSpec(
+        role=role,
+        model_type=model_type,
+        multimodal=multimodal,
+        text_config_key="text_config" if nested else None,
+        weight_prefix="model.language_model." if multimodal else "model.",
+        dialect=dialect,
+        attention=attention,
+        backbone_hidden_size=config.get("backbone_hidden_size"),
+        quantization=config.get("quantization_config") or text.get("quantization_config"),
+    )
+
+
+def _require_int(text: Mapping[str, Any], key: str, source: str) -> int:
+    value = text.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InputError(f"{source}: text config key {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _read_layer_types(text: Mapping[str, Any], source: str) -> tuple[str, ...]:
+    layer_types = text.get("layer_types")
+    if not isinstance(layer_types, list) or not layer_types:
+        raise InputError(f"{source}: text config has no `layer_types` list; cannot tell sliding from full layers")
+    unknown = sorted({t for t in layer_types if t not in (FULL, SLIDING)})
+    if unknown:
+        raise InputError(f"{source}: unknown layer types {unknown} in `layer_types`")
+    layers = _require_int(text, "num_hidden_layers", source) if "num_hidden_layers" in text else len(layer_types)
+    if layers != len(layer_types):
+        raise InputError(f"{source}: num_hidden_layers is {layers} but layer_types lists {len(layer_types)}")
+    return tuple(layer_types)
+
+
+def _read_attention(text: Mapping[str, Any], *, role: str, source: str) -> tuple[str, AttentionConfig]:
+    layer_types = _read_layer_types(text, source)
+    head_dim = _require_int(text, "head_dim", source)
+    num_kv = _require_int(text, "num_key_value_heads", source)
+    k_eq_v = bool(text.get("attention_k_eq_v", False))
+    has_flat = "global_head_dim" in text or "num_global_key_value_heads" in text
+    per_layer = text.get("per_layer_config")
+    if per_layer is not None:
+        dialect = DIALECT_BOTH if has_flat else DIALECT_PER_LAYER
+        global_head_dim, num_global_kv = _read_per_layer_config(per_layer, layer_types, head_dim, num_kv, source)
+    else:
+        dialect = DIALECT_LEGACY
+        global_head_dim = _require_int(text, "global_head_dim", source) if FULL in layer_types else head_dim
+        if k_eq_v and FULL in layer_types:
+            num_global_kv = _require_int(text, "num_global_key_value_heads", source)
+        else:
+            num_global_kv = text.get("num_global_key_value_heads") or num_kv
+    shared = text.get("num_kv_shared_layers") or 0
+    if role == ROLE_ASSISTANT:
+        shared = len(layer_types)  # every assistant layer reads the target's KV (Gemma4AssistantConfig.__post_init__)
+    window = text.get("sliding_window")
+    return dialect, AttentionConfig(
+        hidden_size=_require_int(text, "hidden_size", source),
+        num_heads=_require_int(text, "num_attention_heads", source),
+        head_dim=head_dim,
+        global_head_dim=global_head_dim,
+        num_kv_heads=num_kv,
+        num_global_kv_heads=num_global_kv,
+        k_eq_v=k_eq_v,
+        layer_types=layer_types,
+        num_kv_shared_layers=int(shared),
+        sliding_window=window if isinstance(window, int) else None,
+    )
+
+
+def _read_per_layer_config(per_layer: Any, layer_types: tuple[str, ...], head_dim: int, num_kv: int,
+                           source: str) -> tuple[int, int]:
+    """Full-layer (head_dim, kv heads) from a transformers >= 5.15 `per_layer_config`; sliding layers keep the base."""
+    if not isinstance(per_layer, Mapping):
+        raise InputError(f"{source}: `per_layer_config` must be an object keyed by layer index")
+    overrides: dict[str, set[tuple[int, int]]] = {FULL: set(), SLIDING: set()}
+    for key, values in per_layer.items():
+        if not re.fullmatch(r"\d+", str(key)) or int(key) >= len(layer_types) or not isinstance(values, Mapping):
+            raise InputError(f"{source}: `per_layer_config` entry {key!r} is not a valid layer index with overrides")
+        unknown = set(values) - _PER_LAYER_OVERRIDES
+        if unknown:
+            raise InputError(f"{source}: `per_layer_config[{key}]` overrides {sorted(unknown)}, "
+                             f"which this tool cannot carry into flat keys (only {sorted(_PER_LAYER_OVERRIDES)})")
+        value = (values.get("head_dim", head_dim), values.get("num_key_value_heads", num_kv))
+        overrides[layer_types[int(key)]].add(value)
+    for index, layer_type in enumerate(layer_types):
+        if str(index) not in per_layer and index not in per_layer:
+            overrides[layer_type].add((head_dim, num_kv))
+    if overrides[SLIDING] - {(head_dim, num_kv)}:
+        raise InputError(f"{source}: `per_layer_config` overrides sliding layers; vLLM 0.27 cannot express that")
+    if len(overrides[FULL]) > 1:
+        raise InputError(f"{source}: `per_layer_config` gives full layers different geometries "
+                         f"{sorted(overrides[FULL])}; vLLM 0.27 has one global_head_dim")
+    return next(iter(overrides[FULL]), (head_dim, num_kv))
+
+
+_ATTENTION_NAME = re.compile(
+    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.(?P<module>" + "|".join(ATTENTION_MODULES)
+    + r")\.(?P<param>[a-z_]+)$")
+
+
+@dataclass(frozen=True)
+class AttentionTensorName:
+    """A parsed `<prefix>layers.<i>.self_attn.<module>.<param>` name."""
+
+    layer: int
+    module: str
+    param: str
+
+
+def parse_attention_name(name: str, prefix: str) -> AttentionTensorName | None:
+    """The layer/module/param of a text-decoder attention tensor, or None for anything else (vision tower included)."""
+    match = _ATTENTION_NAME.match(name)
+    if not match or match["prefix"] != prefix:
+        return None
+    return AttentionTensorName(layer=int(match["layer"]), module=match["module"], param=match["param"])
+
+
+def attention_tensor_name(prefix: str, layer: int, module: str, param: str) -> str:
+    return f"{prefix}layers.{layer}.self_attn.{module}.{param}"

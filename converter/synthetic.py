@@ -1,0 +1,408 @@
+"""Synthetic Gemma 4 checkpoints with real config files, tensor names and (optionally) real shapes.
+
+No weights can be downloaded where this project is built and tested, so tests, the demo and the
+benchmarks all use this factory. Tensor names follow transformers 5.23's Gemma 4 modules
+(`tests/test_synthetic.py` checks them against a meta-device model).
+
+Geometry sources: the 31B target and assistant numbers are from their published config.json
+(FACTS.md section 1). The 26B-A4B target's attention numbers are from FACTS.md; its MoE expert and
+router tensors are LEFT OUT (they are never touched by a layout; `enable_moe_block` stays true in the
+config). E2B/E4B and the 26B-A4B assistant's hidden/intermediate sizes are approximations of the
+public configs: attention ratios (head_dim 256/512, no k_eq_v, KV-shared tail layers, per-layer
+input embeddings, ordered-embedding assistants) are what matters to the converter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from .gemma4 import FULL, SLIDING
+
+S, F = SLIDING, FULL
+
+
+@dataclass(frozen=True)
+class AssistantShape:
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    use_ordered_embeddings: bool
+    num_centroids: int = 2048
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The numbers that fix a target/assistant pair's tensor shapes."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    num_global_kv_heads: int
+    head_dim: int
+    global_head_dim: int
+    k_eq_v: bool
+    vocab_size: int
+    sliding_window: int
+    num_kv_shared_layers: int
+    per_layer_input_size: int
+    moe: bool
+    assistant: AssistantShape
+    vision_hidden_size: int = 1152
+
+
+PRESETS: dict[str, Preset] = {
+    "31b": Preset("31b", 5376, 21504, (S,) * 5 + (F,), 32, 16, 4, 256, 512, True, 262144, 1024, 0, 0, False,
+                  AssistantShape(1024, 8192, (S, S, S, F), False)),
+    "26b-a4b": Preset("26b-a4b", 2816, 2112, (S,) * 5 + (F,), 16, 8, 2, 256, 512, True, 262144, 1024, 0, 0, True,
+                      AssistantShape(1024, 8192, (S, S, S, F), False)),
+    "e2b": Preset("e2b", 1536, 6144, (S,) * 4 + (F,), 8, 1, 1, 256, 512, False, 262144, 512, 20, 256, False,
+                  AssistantShape(256, 2048, (S, S, S, F), True)),
+    "e4b": Preset("e4b", 2560, 10240, (S,) * 5 + (F,), 8, 2, 2, 256, 512, False, 262144, 512, 18, 256, False,
+                  AssistantShape(256, 2048, (S, S, S, F), True)),
+}
+# Real decoder layer counts; a preset's layer_types above hold one period of the pattern.
+REAL_LAYERS = {"31b": 60, "26b-a4b": 30, "e2b": 35, "e4b": 42}
+
+
+def _pattern(period: tuple[str, ...], count: int) -> tuple[str, ...]:
+    types = [period[i % len(period)] for i in range(count)]
+    types[-1] = FULL  # transformers forces the last layer to full attention
+    return tuple(types)
+
+
+def scaled_preset(name: str, *, width_divisor: int = 1, num_layers: int | None = None,
+                  vocab_size: int | None = None) -> Preset:
+    """A preset shrunk for tests: widths divided (head counts and ratios kept), fewer layers, smaller vocab.
+
+    Args:
+        name: one of PRESETS.
+        width_divisor: divides hidden, intermediate, head dims and the assistant's widths.
+        num_layers: target decoder layers (the real pattern, truncated; default: the real count).
+        vocab_size: embedding rows (default: the real vocab divided by width_divisor).
+
+    Returns:
+        The scaled Preset.
+    """
+    base = PRESETS[name]
+    layers = num_layers or REAL_LAYERS[name]
+    shared = 0
+    if base.num_kv_shared_layers:
+        # keep a producer of each layer type before the KV-shared tail (transformers insists)
+        shared = min(base.num_kv_shared_layers, layers - len(base.layer_types))
+    div = width_divisor
+    assistant = replace(base.assistant, hidden_size=base.assistant.hidden_size // div,
+                        intermediate_size=base.assistant.intermediate_size // div,
+                        num_centroids=max(base.assistant.num_centroids // div, 4))
+    return replace(base, hidden_size=base.hidden_size // div, intermediate_size=base.intermediate_size // div,
+                   layer_types=_pattern(base.layer_types, layers), head_dim=base.head_dim // div,
+                   global_head_dim=base.global_head_dim // div, vocab_size=vocab_size or base.vocab_size // div,
+                   sliding_window=max(base.sliding_window // div, 4), num_kv_shared_layers=shared,
+                   per_layer_input_size=base.per_layer_input_size // div,
+                   vision_hidden_size=max(base.vision_hidden_size // div, 16), assistant=assistant)
+
+
+def tiny_preset(name: str = "31b") -> Preset:
+    """KB-sized pair with the real ratios (d=16, D=32 for 31B), for unit tests."""
+    period = len(PRESETS[name].layer_types)
+    layers = 2 * period if PRESETS[name].num_kv_shared_layers else period
+    small = scaled_preset(name, width_divisor=16, num_layers=layers, vocab_size=256)
+    return replace(small, intermediate_size=2 * small.hidden_size, vision_hidden_size=16,
+                   assistant=replace(small.assistant, intermediate_size=2 * small.assistant.hidden_size))
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+def _attention_keys(*, head_dim: int, global_head_dim: int, num_kv: int, num_global_kv: int, k_eq_v: bool,
+                    layer_types: tuple[str, ...], dialect: str) -> dict:
+    keys: dict = {"head_dim": head_dim, "num_key_value_heads": num_kv, "attention_k_eq_v": k_eq_v,
+                  "layer_types": list(layer_types)}
+    if dialect in ("legacy", "both"):
+        keys.update(global_head_dim=global_head_dim, num_global_key_value_heads=num_global_kv)
+    if dialect in ("per_layer_config", "both"):
+        override = {"head_dim": global_head_dim}
+        if k_eq_v:
+            override["num_key_value_heads"] = num_global_kv
+        keys["per_layer_config"] = {str(i): dict(override) for i, t in enumerate(layer_types) if t == FULL}
+    if dialect not in ("legacy", "both", "per_layer_config"):
+        raise ValueError(f"unknown dialect {dialect!r}")
+    return keys
+
+
+def _rope_parameters() -> dict:
+    return {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
+
+
+def target_text_config(p: Preset, dialect: str) -> dict:
+    """The gemma4_text config of a target, in the requested dialect."""
+    config = {
+        "model_type": "gemma4_text", "hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": len(p.layer_types), "num_attention_heads": p.num_heads,
+        **_attention_keys(head_dim=p.head_dim, global_head_dim=p.global_head_dim, num_kv=p.num_kv_heads,
+                          num_global_kv=p.num_global_kv_heads, k_eq_v=p.k_eq_v, layer_types=p.layer_types,
+                          dialect=dialect),
+        "vocab_size": p.vocab_size, "sliding_window": p.sliding_window, "rope_parameters": _rope_parameters(),
+        "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 262144,
+        "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "attention_bias": False,
+        "num_kv_shared_layers": p.num_kv_shared_layers,
+        "hidden_size_per_layer_input": p.per_layer_input_size,
+        "vocab_size_per_layer_input": p.vocab_size if p.per_layer_input_size else 0,
+        "enable_moe_block": p.moe, "use_double_wide_mlp": False, "dtype": "bfloat16",
+    }
+    if p.moe:
+        config.update(num_experts=128, top_k_experts=8, moe_intermediate_size=704)
+    return config
+
+
+def _vision_config(p: Preset) -> dict:
+    return {"model_type": "gemma4_vision", "hidden_size": p.vision_hidden_size,
+            "intermediate_size": 4 * p.vision_hidden_size, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": p.vision_hidden_size // 2, "patch_size": 16,
+            "position_embedding_size": 10240, "pooling_kernel_size": 3, "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh", "dtype": "bfloat16"}
+
+
+def target_config(p: Preset, *, dialect: str, multimodal: bool) -> dict:
+    text = target_text_config(p, dialect)
+    if not multimodal:
+        return {"architectures": ["Gemma4ForCausalLM"], **text, "transformers_version": "5.5.0"}
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+            "vision_config": _vision_config(p), "audio_config": None, "boi_token_id": 255999,
+            "eoi_token_id": 258882, "image_token_id": 258880, "video_token_id": 258884,
+            "tie_word_embeddings": True, "dtype": "bfloat16", "transformers_version": "5.5.0"}
+
+
+def assistant_config(p: Preset, *, dialect: str) -> dict:
+    a = p.assistant
+    text = {
+        "model_type": "gemma4_text", "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": len(a.layer_types), "num_attention_heads": p.num_heads,
+        **_attention_keys(head_dim=p.head_dim, global_head_dim=p.global_head_dim, num_kv=p.num_kv_heads,
+                          num_global_kv=p.num_global_kv_heads, k_eq_v=p.k_eq_v, layer_types=a.layer_types,
+                          dialect=dialect),
+        "num_kv_shared_layers": len(a.layer_types), "vocab_size": p.vocab_size,
+        "sliding_window": p.sliding_window, "rope_parameters": _rope_parameters(), "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 262144,
+        "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "attention_bias": False,
+        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "enable_moe_block": False,
+        "use_double_wide_mlp": False, "dtype": "bfloat16",
+    }
+    return {"architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant",
+            "backbone_hidden_size": p.hidden_size, "text_config": text,
+            "use_ordered_embeddings": a.use_ordered_embeddings, "num_centroids": a.num_centroids,
+            "centroid_intermediate_top_k": 32, "tie_word_embeddings": True, "dtype": "bfloat16",
+            "transformers_version": "5.5.0"}
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "linear" (fan-in scaled), "norm" (around 1), "embedding", "ordering"
+
+
+def _decoder_layer(prefix: str, i: int, *, hidden: int, inter: int, p: Preset, layer_type: str,
+                   q_only: bool, fused_qkv: bool, ple: int) -> Iterator[TensorSpec]:
+    full = layer_type == FULL
+    hd = p.global_head_dim if full else p.head_dim
+    kv = p.num_global_kv_heads if (full and p.k_eq_v) else p.num_kv_heads
+    has_v = not (full and p.k_eq_v)
+    base = f"{prefix}layers.{i}."
+    yield TensorSpec(base + "layer_scalar", (1,), "norm")
+    q_rows, k_rows, v_rows = p.num_heads * hd, kv * hd, (kv * hd if has_v else 0)
+    if q_only:
+        yield TensorSpec(base + "self_attn.q_proj.weight", (q_rows, hidden), "linear")
+    elif fused_qkv:
+        yield TensorSpec(base + "self_attn.qkv_proj.weight", (q_rows + k_rows + v_rows, hidden), "linear")
+    else:
+        yield TensorSpec(base + "self_attn.q_proj.weight", (q_rows, hidden), "linear")
+        yield TensorSpec(base + "self_attn.k_proj.weight", (k_rows, hidden), "linear")
+        if has_v:
+            yield TensorSpec(base + "self_attn.v_proj.weight", (v_rows, hidden), "linear")
+    yield TensorSpec(base + "self_attn.q_norm.weight", (hd,), "norm")
+    if not q_only:
+        yield TensorSpec(base + "self_attn.k_norm.weight", (hd,), "norm")
+    yield TensorSpec(base + "self_attn.o_proj.weight", (hidden, p.num_heads * hd), "linear")
+    yield TensorSpec(base + "mlp.gate_proj.weight", (inter, hidden), "linear")
+    yield TensorSpec(base + "mlp.up_proj.weight", (inter, hidden), "linear")
+    yield TensorSpec(base + "mlp.down_proj.weight", (hidden, inter), "linear")
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        yield TensorSpec(base + norm + ".weight", (hidden,), "norm")
+    if ple:
+        yield TensorSpec(base + "per_layer_input_gate.weight", (ple, hidden), "linear")
+        yield TensorSpec(base + "per_layer_projection.weight", (hidden, ple), "linear")
+        yield TensorSpec(base + "post_per_layer_input_norm.weight", (hidden,), "norm")
+
+
+def _vision_tensors(p: Preset) -> Iterator[TensorSpec]:
+    h = p.vision_hidden_size
+    yield TensorSpec("model.vision_tower.patch_embedder.position_embedding_table", (2, 10240, h), "embedding")
+    yield TensorSpec("model.vision_tower.patch_embedder.input_proj.weight", (h, 3 * 16 * 16), "linear")
+    for i in range(2):
+        base = f"model.vision_tower.encoder.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            yield TensorSpec(base + f"self_attn.{proj}.linear.weight", (h, h), "linear")
+        yield TensorSpec(base + "self_attn.q_norm.weight", (h // 2,), "norm")
+        yield TensorSpec(base + "self_attn.k_norm.weight", (h // 2,), "norm")
+        yield TensorSpec(base + "mlp.gate_proj.linear.weight", (4 * h, h), "linear")
+        yield TensorSpec(base + "mlp.up_proj.linear.weight", (4 * h, h), "linear")
+        yield TensorSpec(base + "mlp.down_proj.linear.weight", (h, 4 * h), "linear")
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            yield TensorSpec(base + norm + ".weight", (h,), "norm")
+    yield TensorSpec("model.embed_vision.embedding_projection.weight", (p.hidden_size, h), "linear")
+
+
+def target_tensors(p: Preset, *, multimodal: bool, fused_qkv: bool = False) -> list[TensorSpec]:
+    prefix = "model.language_model." if multimodal else "model."
+    specs = [TensorSpec(prefix + "embed_tokens.weight", (p.vocab_size, p.hidden_size), "embedding")]
+    first_shared = len(p.layer_types) - p.num_kv_shared_layers
+    for i, layer_type in enumerate(p.layer_types):
+        specs += _decoder_layer(prefix, i, hidden=p.hidden_size, inter=p.intermediate_size, p=p,
+                                layer_type=layer_type, q_only=i >= first_shared, fused_qkv=fused_qkv,
+                                ple=p.per_layer_input_size)
+    specs.append(TensorSpec(prefix + "norm.weight", (p.hidden_size,), "norm"))
+    if p.per_layer_input_size:
+        total = len(p.layer_types) * p.per_layer_input_size
+        specs += [TensorSpec(prefix + "embed_tokens_per_layer.weight", (p.vocab_size, total), "embedding"),
+                  TensorSpec(prefix + "per_layer_model_projection.weight", (total, p.hidden_size), "linear"),
+                  TensorSpec(prefix + "per_layer_projection_norm.weight", (p.per_layer_input_size,), "norm")]
+    if multimodal:
+        specs += _vision_tensors(p)
+    return specs
+
+
+def assistant_tensors(p: Preset) -> list[TensorSpec]:
+    a = p.assistant
+    specs = [TensorSpec("model.embed_tokens.weight", (p.vocab_size, a.hidden_size), "embedding")]
+    for i, layer_type in enumerate(a.layer_types):
+        specs += _decoder_layer("model.", i, hidden=a.hidden_size, inter=a.intermediate_size, p=p,
+                                layer_type=layer_type, q_only=True, fused_qkv=False, ple=0)
+    specs += [TensorSpec("model.norm.weight", (a.hidden_size,), "norm"),
+              TensorSpec("pre_projection.weight", (a.hidden_size, 2 * p.hidden_size), "linear"),
+              TensorSpec("post_projection.weight", (p.hidden_size, a.hidden_size), "linear")]
+    if a.use_ordered_embeddings:
+        specs += [TensorSpec("masked_embedding.centroids.weight", (a.num_centroids, a.hidden_size), "linear"),
+                  TensorSpec("masked_embedding.token_ordering", (p.vocab_size,), "ordering")]
+    return specs
+
+
+def _materialize(spec: TensorSpec, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    if spec.kind == "ordering":
+        return torch.randperm(spec.shape[0], generator=generator)
+    values = torch.randn(spec.shape, generator=generator, dtype=torch.float32)
+    if spec.kind == "linear":
+        values /= spec.shape[-1] ** 0.5
+    elif spec.kind == "norm":
+        values = 1.0 + 0.1 * values
+    return values.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+SIDE_FILES = {
+    "tokenizer.json": '{"version": "1.0", "model": {"type": "synthetic"}}\n',
+    "tokenizer_config.json": '{"tokenizer_class": "GemmaTokenizer"}\n',
+    "generation_config.json": '{"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}\n',
+    "chat_template.jinja": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}\n",
+    "README.md": "# Synthetic Gemma 4 checkpoint\n\nRandom weights written by gemma4-convert's factory.\n",
+}
+
+
+def _split_into_shards(specs: list[TensorSpec], num_shards: int, itemsize: int) -> list[list[TensorSpec]]:
+    total = sum(itemsize * _numel(s.shape) for s in specs)
+    shards: list[list[TensorSpec]] = [[]]
+    filled = 0
+    for spec in specs:
+        if filled >= total * len(shards) / num_shards and len(shards) < num_shards:
+            shards.append([])
+        shards[-1].append(spec)
+        filled += itemsize * _numel(spec.shape)
+    return shards
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def write_tensors(out_dir: Path, specs: list[TensorSpec], *, num_shards: int = 1, dtype: torch.dtype = torch.bfloat16,
+                  seed: int = 0) -> None:
+    """Writes seeded random tensors as safetensors shards (+ index when more than one), one shard in memory."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = _split_into_shards(specs, num_shards, torch.finfo(dtype).bits // 8)
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    weight_map, total = {}, 0
+    for file_name, group in zip(names, groups):
+        tensors = {s.name: _materialize(s, dtype, generator) for s in group}
+        save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
+        for name, tensor in tensors.items():
+            weight_map[name] = file_name
+            total += tensor.numel() * tensor.element_size()
+        del tensors
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_checkpoint(out_dir: str | Path, *, preset: Preset | str, role: str, dialect: str = "legacy",
+                     fused_qkv: bool = False, num_shards: int = 1, multimodal: bool = True,
+                     dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
+    """Writes one synthetic target or assistant checkpoint directory.
+
+    Args:
+        out_dir: directory to create (must not exist or be empty).
+        preset: a Preset or the name of a full-size one in PRESETS.
+        role: "target" or "assistant".
+        dialect: "legacy" (flat keys), "per_layer_config" (transformers >= 5.15) or "both".
+        fused_qkv: target only: write self_attn.qkv_proj instead of q/k/v.
+        num_shards: 1 writes model.safetensors; more writes numbered shards and an index.
+        multimodal: target only: gemma4 wrapper (model.language_model.*, vision tower) vs gemma4_text.
+        dtype: weight dtype.
+        seed: RNG seed (the assistant uses seed + 1 by convention of write_pair).
+
+    Returns:
+        The checkpoint directory.
+    """
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if role == "target":
+        config = target_config(p, dialect=dialect, multimodal=multimodal)
+        specs = target_tensors(p, multimodal=multimodal, fused_qkv=fused_qkv)
+    elif role == "assistant":
+        config, specs = assistant_config(p, dialect=dialect), assistant_tensors(p)
+    else:
+        raise ValueError(f"role must be 'target' or 'assistant', got {role!r}")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, text in SIDE_FILES.items():
+        (out / name).write_text(text)
+    write_tensors(out, specs, num_shards=num_shards, dtype=dtype, seed=seed)
+    return out
+
+
+def write_pair(out_dir: str | Path, *, preset: Preset | str, dialect: str = "legacy", fused_qkv: bool = False,
+               num_shards: int = 1, multimodal: bool = True, dtype: torch.dtype = torch.bfloat16,
+               seed: int = 0) -> tuple[Path, Path]:
+    """Writes out_dir/target and out_dir/assistant sharing one preset; returns both paths."""
+    out = Path(out_dir)
+    target = write_checkpoint(out / "target", preset=preset, role="target", dialect=dialect, fused_qkv=fused_qkv,
+                              num_shards=num_shards, multimodal=multimodal, dtype=dtype, seed=seed)
+    assistant = write_checkpoint(out / "assistant", preset=preset, role="assistant", dialect=dialect,
+                                 dtype=dtype, seed=seed + 1)
+    return target, assistant
