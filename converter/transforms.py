@@ -114,3 +114,22 @@ TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
 def apply_transform(name: str, tensor: torch.Tensor, params: dict[str, int]) -> torch.Tensor:
     """Runs the named transform; the name and params are what conversion.json records for the tensor."""
     return TRANSFORMS[name](tensor, **params)
+
+
+def decode(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Little-endian safetensors bytes -> tensor (no copy when the buffer is writable)."""
+    buffer = raw if isinstance(raw, bytearray) else bytearray(raw)
+    if not buffer:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def encode(tensor: torch.Tensor) -> memoryview:
+    """Tensor -> its raw little-endian bytes, as safetensors stores them."""
+    return memoryview(_as_int(tensor).reshape(-1).view(torch.uint8).numpy())
+
+
+def transform_bytes(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...], name: str,
+                    params: dict[str, int]) -> memoryview:
+    """Decode, apply the named transform, encode: what the writer and `verify` both run for a TRANSFORM tensor."""
+    return encode(apply_transform(name, decode(raw, dtype=dtype, shape=shape), params))

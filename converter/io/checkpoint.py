@@ -1,0 +1,143 @@
+"""A local checkpoint directory: config.json, the shard headers, the index, the other files. No tensor data."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import InputError
+from ..gemma4 import ModelSpec, read_spec
+from .safetensors_header import ShardHeader, TensorRef, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MANIFEST_NAME = "conversion.json"
+VERIFICATION_NAME = "verification.json"
+# Files a conversion regenerates or must not carry over (weights in other formats would be stale copies).
+NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+NOT_COPIED_NAMES = {"config.json", INDEX_NAME, MANIFEST_NAME, VERIFICATION_NAME}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Everything the planner needs, read from headers and small JSON files only."""
+
+    path: Path
+    config: Mapping[str, Any]
+    spec: ModelSpec
+    shards: tuple[ShardHeader, ...]
+    indexed: bool
+    side_files: tuple[str, ...]
+    manifest: Mapping[str, Any] | None
+
+    @property
+    def tensors(self) -> dict[str, TensorRef]:
+        return {ref.name: ref for shard in self.shards for ref in shard.tensors}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(ref.nbytes for shard in self.shards for ref in shard.tensors)
+
+
+def read_json(path: Path) -> Any:
+    """Parses a JSON file; every failure is a one-line InputError naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise InputError(f"{path}: not found") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from exc
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: invalid JSON ({exc})") from exc
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """Reads config.json, the index and every shard header of a checkpoint directory.
+
+    Args:
+        path: local checkpoint directory.
+
+    Returns:
+        The Checkpoint.
+
+    Raises:
+        InputError: missing/invalid config or index, missing or unindexed shards, duplicate tensor
+            names, corrupt headers, or a config that is not Gemma 4.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise InputError(f"{root}: not a directory")
+    config_path = root / "config.json"
+    if not config_path.exists():
+        raise InputError(f"{config_path}: not found (is {root} a Hugging Face checkpoint?)")
+    config = read_json(config_path)
+    if not isinstance(config, dict):
+        raise InputError(f"{config_path}: expected a JSON object")
+    spec = read_spec(config, source=str(config_path))
+    shard_names, indexed = _shard_names(root)
+    shards = tuple(read_header(root / name) for name in shard_names)
+    _check_index(root, shards, indexed)
+    manifest_path = root / MANIFEST_NAME
+    manifest = read_json(manifest_path) if manifest_path.exists() else None
+    return Checkpoint(path=root, config=config, spec=spec, shards=shards, indexed=indexed,
+                      side_files=_side_files(root), manifest=manifest)
+
+
+def _shard_names(root: Path) -> tuple[list[str], bool]:
+    index_path = root / INDEX_NAME
+    present = sorted(p.name for p in root.glob("*.safetensors"))
+    if not index_path.exists():
+        if present == [SINGLE_NAME]:
+            return present, False
+        if not present:
+            raise InputError(f"{root}: no .safetensors files")
+        raise InputError(f"{root}: {len(present)} .safetensors files but no {INDEX_NAME}")
+    index = read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError(f"{index_path}: no valid `weight_map`")
+    named = sorted(set(weight_map.values()))
+    for name in named:
+        if Path(name).name != name:
+            raise InputError(f"{index_path}: shard name {name!r} is not a plain file name")
+        if not (root / name).is_file():
+            raise InputError(f"{index_path}: names shard {name!r}, which is missing from {root}")
+    unindexed = sorted(set(present) - set(named))
+    if unindexed:
+        raise InputError(f"{root}: shard {unindexed[0]!r} is present but not in {INDEX_NAME}")
+    return named, True
+
+
+def _check_index(root: Path, shards: tuple[ShardHeader, ...], indexed: bool) -> None:
+    seen: dict[str, Path] = {}
+    for shard in shards:
+        for ref in shard.tensors:
+            if ref.name in seen:
+                raise InputError(f"{root}: tensor {ref.name!r} is in both {seen[ref.name].name} and {shard.file.name}")
+            seen[ref.name] = shard.file
+    if not indexed:
+        return
+    weight_map = read_json(root / INDEX_NAME)["weight_map"]
+    for name, file_name in weight_map.items():
+        if name not in seen:
+            raise InputError(f"{root / INDEX_NAME}: tensor {name!r} is not in {file_name}")
+        if seen[name].name != file_name:
+            raise InputError(f"{root / INDEX_NAME}: tensor {name!r} is listed in {file_name} "
+                             f"but stored in {seen[name].name}")
+    extra = sorted(set(seen) - set(weight_map))
+    if extra:
+        raise InputError(f"{root / INDEX_NAME}: tensor {extra[0]!r} in {seen[extra[0]].name} is missing from the index")
+
+
+def _side_files(root: Path) -> tuple[str, ...]:
+    """Top-level non-weight files to carry over unchanged (tokenizer, generation config, templates, docs)."""
+    files = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(".") or not entry.is_file():
+            continue
+        if entry.name in NOT_COPIED_NAMES or entry.name.endswith(NOT_COPIED_SUFFIXES):
+            continue
+        files.append(entry.name)
+    return tuple(files)

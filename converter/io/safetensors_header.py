@@ -1,0 +1,142 @@
+"""safetensors headers parsed by hand: tensors become TensorRefs (file, offset, size), data is never read.
+
+Format: 8-byte little-endian header length N, N bytes of JSON, then the data region; each entry's
+`data_offsets` are relative to the start of the data region.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import InputError
+
+# safetensors dtype name -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8), "I32": (torch.int32, 4), "I16": (torch.int16, 2), "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1), "U16": (torch.uint16, 2), "U32": (torch.uint32, 4),
+    "U64": (torch.uint64, 8), "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1),
+}
+TORCH_TO_SAFETENSORS = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one stored tensor's bytes are: enough to copy or load it later, nothing loaded now."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """One safetensors file's header: its tensors in data order and the free-form metadata."""
+
+    file: Path
+    data_start: int
+    size: int
+    metadata: Mapping[str, str]
+    tensors: tuple[TensorRef, ...]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def read_header(path: Path) -> ShardHeader:
+    """Reads and checks a safetensors header without touching tensor data.
+
+    Args:
+        path: the .safetensors file.
+
+    Returns:
+        ShardHeader with tensors sorted by offset.
+
+    Raises:
+        InputError: unreadable file, truncated or non-JSON header, unknown dtype, a size that does not
+            match the shape, or offsets out of bounds or overlapping.
+    """
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, 2)
+            handle.seek(0)
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise InputError(f"{path}: not a safetensors file (only {len(prefix)} bytes)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise InputError(f"{path}: header length {length} exceeds the file size {size} (truncated or corrupt)")
+            raw = handle.read(length)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: safetensors header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise InputError(f"{path}: __metadata__ is not an object")
+    data_start = 8 + length
+    tensors = sorted((_tensor_ref(path, name, entry, data_start) for name, entry in header.items()),
+                     key=lambda ref: ref.offset)
+    _check_layout(path, tensors, data_start, size)
+    return ShardHeader(file=path, data_start=data_start, size=size, metadata=metadata, tensors=tuple(tensors))
+
+
+def _tensor_ref(path: Path, name: str, entry: Any, data_start: int) -> TensorRef:
+    if not isinstance(entry, dict):
+        raise InputError(f"{path}: header entry {name!r} is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise InputError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                               for d in shape):
+        raise InputError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise InputError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+    nbytes = offsets[1] - offsets[0]
+    if nbytes != _numel(tuple(shape)) * DTYPES[dtype][1]:
+        raise InputError(f"{path}: tensor {name!r} occupies {nbytes} bytes but {dtype}{shape} needs "
+                         f"{_numel(tuple(shape)) * DTYPES[dtype][1]}")
+    return TensorRef(name=name, dtype=dtype, shape=tuple(shape), file=path, offset=data_start + offsets[0],
+                     nbytes=nbytes)
+
+
+def _check_layout(path: Path, tensors: list[TensorRef], data_start: int, size: int) -> None:
+    end = data_start
+    for ref in tensors:
+        if ref.offset < end:
+            raise InputError(f"{path}: tensor {ref.name!r} overlaps the previous tensor's bytes")
+        end = ref.offset + ref.nbytes
+    if end > size:
+        last = tensors[-1].name
+        raise InputError(f"{path}: tensor {last!r} ends at byte {end} but the file has {size} (truncated)")
+
+
+def encode_header(entries: Mapping[str, Any]) -> bytes:
+    """The 8-byte length + JSON header for a new file, padded with spaces to 8-byte alignment (as safetensors does)."""
+    raw = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw

@@ -1,0 +1,200 @@
+"""The shared half of every layout: find and check attention tensors, rewrite config keys, plan shards."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator
+
+from ..errors import InputError, UnsupportedLayoutError
+from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, attention_tensor_name,
+                      parse_attention_name)
+from ..io.checkpoint import Checkpoint
+from ..io.safetensors_header import TensorRef
+from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, plan_shards
+
+_REGISTRY: dict[str, type["Layout"]] = {}
+
+
+def register_layout(name: str) -> Callable[[type["Layout"]], type["Layout"]]:
+    """Class decorator adding a layout under `name`; a second class with the same name is a bug, so it raises."""
+    def decorate(cls: type["Layout"]) -> type["Layout"]:
+        if name in _REGISTRY:
+            raise ValueError(f"layout {name!r} is already registered by {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return decorate
+
+
+def layout_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_layout(name: str) -> "Layout":
+    """The registered layout instance; UnsupportedLayoutError lists the known names."""
+    if name not in _REGISTRY:
+        raise UnsupportedLayoutError(f"unknown layout {name!r}; known layouts: {', '.join(layout_names())}")
+    return _REGISTRY[name]()
+
+
+@dataclass(frozen=True)
+class AttentionTensor:
+    """One q/k/v/o/norm tensor of a text decoder layer, with the geometry it must have."""
+
+    layer: LayerGeometry
+    module: str
+    param: str
+    source: SourceSlice
+    from_fused: bool
+
+
+class Layout:
+    """Base class: subclasses set `description` and override the two hooks below."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def check(self, spec: ModelSpec, *, source: str) -> list[str]:
+        """Raises InputError when the checkpoint cannot take this layout; returns warnings."""
+        return []
+
+    def plan_attention(self, tensor: AttentionTensor, spec: ModelSpec, out_name: str) -> TensorPlan:
+        raise NotImplementedError
+
+    def geometry_keys(self, attention: AttentionConfig) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def matches(self, spec: ModelSpec) -> bool:
+        """True when a checkpoint's config already has this layout's geometry."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------------
+    def plan(self, checkpoint: Checkpoint, *, max_shard_bytes: int | None = None) -> CheckpointPlan:
+        """The complete plan for one checkpoint: every tensor, the shards, the new config."""
+        spec = checkpoint.spec
+        warnings = self.check(spec, source=str(checkpoint.path))
+        tensors = list(self._plan_tensors(checkpoint))
+        shards, indexed = plan_shards(tensors, source_files=[s.file.name for s in checkpoint.shards],
+                                      indexed=checkpoint.indexed, max_shard_bytes=max_shard_bytes)
+        metadata = dict(checkpoint.shards[0].metadata) if checkpoint.shards else {}
+        metadata.setdefault("format", "pt")
+        return CheckpointPlan(role=spec.role, layout=self.name, config=self.rewrite_config(checkpoint.config, spec),
+                              shards=shards, indexed=indexed, side_files=checkpoint.side_files,
+                              metadata=metadata, warnings=tuple(warnings))
+
+    def rewrite_config(self, config: Any, spec: ModelSpec) -> dict[str, Any]:
+        """config.json with the geometry keys replaced and `per_layer_config` gone; every other key kept."""
+        new = copy.deepcopy(dict(config))
+        text = new[spec.text_config_key] if spec.text_config_key else new
+        text.pop("per_layer_config", None)
+        text.update(self.geometry_keys(spec.attention))
+        return new
+
+    def _plan_tensors(self, checkpoint: Checkpoint) -> Iterator[TensorPlan]:
+        spec = checkpoint.spec
+        attention = list(find_attention_tensors(checkpoint))
+        check_attention_tensors(attention, spec, source=str(checkpoint.path))
+        claimed = {t.source.ref.name for t in attention}
+        for ref in checkpoint.tensors.values():
+            if ref.name not in claimed:
+                yield TensorPlan(name=ref.name, dtype=ref.dtype, shape=ref.shape, source=SourceSlice.whole(ref),
+                                 action=ACTION_KEPT)
+        for tensor in attention:
+            out_name = attention_tensor_name(spec.weight_prefix, tensor.layer.index, tensor.module, tensor.param)
+            yield self.plan_attention(tensor, spec, out_name)
+
+
+def kept(tensor: AttentionTensor, out_name: str) -> TensorPlan:
+    """The tensor unchanged (a fused source's row range is still a plain byte copy)."""
+    return TensorPlan(name=out_name, dtype=tensor.source.ref.dtype, shape=tensor.source.shape, source=tensor.source,
+                      action=ACTION_SPLIT if tensor.from_fused else ACTION_KEPT)
+
+
+def transformed(tensor: AttentionTensor, out_name: str, *, action: str, transform: str, shape: tuple[int, ...],
+                **params: int) -> TensorPlan:
+    """The tensor through a named function of transforms.py."""
+    return TensorPlan(name=out_name, dtype=tensor.source.ref.dtype, shape=shape, source=tensor.source,
+                      action=f"split+{action}" if tensor.from_fused else action, transform=transform, params=params)
+
+
+def _fused_slices(ref: TensorRef, layer: LayerGeometry, num_heads: int, source: str) -> Iterator[tuple[str, SourceSlice]]:
+    rows = {"q_proj": num_heads * layer.head_dim, "k_proj": layer.num_kv_heads * layer.head_dim,
+            "v_proj": layer.num_kv_heads * layer.head_dim if layer.has_v else 0}
+    total = sum(rows.values())
+    if not ref.shape or ref.shape[0] != total:
+        raise InputError(f"{source}: {ref.name} has shape {list(ref.shape)} but layer {layer.index} "
+                         f"({layer.layer_type}, head_dim {layer.head_dim}, {layer.num_kv_heads} KV heads"
+                         f"{', k_eq_v' if layer.k_eq_v else ''}) needs {total} fused rows")
+    start = 0
+    for module, count in rows.items():
+        if count:
+            yield module, SourceSlice(ref=ref, row_start=start, row_stop=start + count)
+        start += count
+
+
+def find_attention_tensors(checkpoint: Checkpoint) -> Iterator[AttentionTensor]:
+    """Every text-decoder attention tensor, a fused qkv_proj already split into q/k/v row ranges."""
+    spec = checkpoint.spec
+    layers = spec.attention.layers
+    for ref in checkpoint.tensors.values():
+        parsed = parse_attention_name(ref.name, spec.weight_prefix)
+        if parsed is None:
+            continue
+        if parsed.layer >= len(layers):
+            raise InputError(f"{checkpoint.path}: {ref.name} names layer {parsed.layer} but the config has "
+                             f"{len(layers)} layers")
+        layer = layers[parsed.layer]
+        if parsed.module == "qkv_proj":
+            for module, piece in _fused_slices(ref, layer, spec.attention.num_heads, str(checkpoint.path)):
+                yield AttentionTensor(layer=layer, module=module, param=parsed.param, source=piece, from_fused=True)
+        else:
+            yield AttentionTensor(layer=layer, module=parsed.module, param=parsed.param,
+                                  source=SourceSlice.whole(ref), from_fused=False)
+
+
+def expected_shape(tensor: AttentionTensor, attention: AttentionConfig) -> tuple[int, ...] | None:
+    """The shape vLLM 0.27 will build for a weight or bias; None for params it does not size this way."""
+    layer, hidden = tensor.layer, attention.hidden_size
+    rows = {"q_proj": attention.num_heads * layer.head_dim, "k_proj": layer.num_kv_heads * layer.head_dim,
+            "v_proj": layer.num_kv_heads * layer.head_dim}
+    if tensor.module in ("q_norm", "k_norm"):
+        return (layer.head_dim,) if tensor.param == "weight" else None
+    if tensor.module == "o_proj":
+        return {"weight": (hidden, attention.num_heads * layer.head_dim), "bias": (hidden,)}.get(tensor.param)
+    return {"weight": (rows[tensor.module], hidden), "bias": (rows[tensor.module],)}.get(tensor.param)
+
+
+def check_attention_tensors(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> None:
+    """Raises InputError when a tensor's shape or presence contradicts the config's geometry."""
+    present: dict[int, set[str]] = {}
+    for tensor in tensors:
+        present.setdefault(tensor.layer.index, set()).add(tensor.module)
+        want = expected_shape(tensor, spec.attention)
+        if want is not None and tensor.source.shape != want:
+            layer = tensor.layer
+            raise InputError(
+                f"{source}: {tensor.source.ref.name}{' (' + tensor.module + ' rows)' if tensor.from_fused else ''} "
+                f"has shape {list(tensor.source.shape)} but layer {layer.index} ({layer.layer_type}: head_dim "
+                f"{layer.head_dim}, {layer.num_kv_heads} KV heads) implies {list(want)}; config and weights disagree")
+    for layer in spec.attention.layers:
+        modules = present.get(layer.index, set())
+        required = {"q_proj", "o_proj", "q_norm"} | ({"k_proj", "k_norm"} if layer.has_k else set())
+        required |= {"v_proj"} if layer.has_v else set()
+        missing = sorted(required - modules)
+        if missing:
+            raise InputError(f"{source}: layer {layer.index} ({layer.layer_type}) has no {', '.join(missing)} tensor")
+        if "v_proj" in modules and not layer.has_v:
+            why = "attention_k_eq_v (V is the K projection)" if layer.k_eq_v else "KV sharing"
+            raise InputError(f"{source}: layer {layer.index} has a v_proj tensor but the config says {why}")
+
+
+def explicit_geometry(attention: AttentionConfig, **overrides: Any) -> dict[str, Any]:
+    """The six flat keys vLLM 0.27 reads, from the resolved geometry, with overrides applied."""
+    values = {"head_dim": attention.head_dim, "global_head_dim": attention.global_head_dim,
+              "num_key_value_heads": attention.num_kv_heads,
+              "num_global_key_value_heads": attention.num_global_kv_heads,
+              "attention_k_eq_v": attention.k_eq_v, "layer_types": list(attention.layer_types)}
+    values.update(overrides)
+    return {key: values[key] for key in GEOMETRY_KEYS}

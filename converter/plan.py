@@ -1,0 +1,165 @@
+"""What every output tensor and file will be, decided from config + headers alone (no I/O, no tensor math).
+
+A TensorPlan either COPIES a contiguous byte range of the source (a whole tensor, or a row range of a
+fused qkv_proj) or TRANSFORMS it with a named pure function from transforms.py. Output shards are
+laid out in source byte order so the writer reads every source file once, front to back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from .io.checkpoint import INDEX_NAME, SINGLE_NAME
+from .io.safetensors_header import TensorRef
+
+ACTION_KEPT = "kept"
+ACTION_SPLIT = "split"
+
+
+@dataclass(frozen=True)
+class SourceSlice:
+    """Rows [row_start, row_stop) of a stored tensor: one contiguous byte range of its file."""
+
+    ref: TensorRef
+    row_start: int
+    row_stop: int
+
+    @classmethod
+    def whole(cls, ref: TensorRef) -> "SourceSlice":
+        return cls(ref=ref, row_start=0, row_stop=ref.shape[0] if ref.shape else 1)
+
+    @property
+    def row_bytes(self) -> int:
+        rows = self.ref.shape[0] if self.ref.shape else 1
+        return self.ref.nbytes // rows if rows else 0
+
+    @property
+    def offset(self) -> int:
+        return self.ref.offset + self.row_start * self.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return (self.row_stop - self.row_start) * self.row_bytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if not self.ref.shape:
+            return ()
+        return (self.row_stop - self.row_start, *self.ref.shape[1:])
+
+    @property
+    def is_whole(self) -> bool:
+        return self.shape == self.ref.shape
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One output tensor: its name, dtype, shape and how it is produced from one source slice."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    source: SourceSlice
+    action: str
+    transform: str | None = None
+    params: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        count = self.source.ref.itemsize
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def is_copy(self) -> bool:
+        return self.transform is None
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    file_name: str
+    tensors: tuple[TensorPlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Everything one converted checkpoint directory will hold."""
+
+    role: str
+    layout: str
+    config: Mapping[str, Any]
+    shards: tuple[ShardPlan, ...]
+    indexed: bool
+    side_files: tuple[str, ...]
+    metadata: Mapping[str, str]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def tensors(self) -> tuple[TensorPlan, ...]:
+        return tuple(t for shard in self.shards for t in shard.tensors)
+
+    @property
+    def total_size(self) -> int:
+        return sum(shard.nbytes for shard in self.shards)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum({t.source.ref.name: t.source.ref.nbytes for t in self.tensors}.values())
+
+
+def plan_shards(tensors: Iterable[TensorPlan], *, source_files: list[str], indexed: bool,
+                max_shard_bytes: int | None) -> tuple[tuple[ShardPlan, ...], bool]:
+    """Groups output tensors into files, in source byte order.
+
+    Without a byte budget each source shard becomes the output shard of the same name; with one,
+    tensors are packed greedily (a tensor larger than the budget gets a shard of its own).
+
+    Returns:
+        (shards, indexed): indexed is False only for a single model.safetensors.
+    """
+    ordered = sorted(tensors, key=lambda t: (source_files.index(t.source.ref.file.name), t.source.offset))
+    if max_shard_bytes is None:
+        groups = [[t for t in ordered if t.source.ref.file.name == name] for name in source_files]
+        names = list(source_files)
+        return tuple(ShardPlan(n, tuple(g)) for n, g in zip(names, groups)), indexed
+    groups: list[list[TensorPlan]] = [[]]
+    filled = 0
+    for tensor in ordered:
+        if groups[-1] and filled + tensor.nbytes > max_shard_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append(tensor)
+        filled += tensor.nbytes
+    if len(groups) == 1:
+        return (ShardPlan(SINGLE_NAME, tuple(groups[0])),), False
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    return tuple(ShardPlan(n, tuple(g)) for n, g in zip(names, groups)), True
+
+
+def index_document(plan: CheckpointPlan) -> dict[str, Any]:
+    """model.safetensors.index.json contents for a sharded plan."""
+    weight_map = {t.name: shard.file_name for shard in plan.shards for t in shard.tensors}
+    return {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000 (decimal units, like huggingface_hub's max_shard_size); ValueError otherwise."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size such as 500MB or 5GB")
+    return int(float(match[1]) * _UNITS[match[2].upper()])
+
+
+__all__ = ["ACTION_KEPT", "ACTION_SPLIT", "CheckpointPlan", "INDEX_NAME", "ShardPlan", "SourceSlice", "TensorPlan",
+           "index_document", "parse_size", "plan_shards"]
