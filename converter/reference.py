@@ -399,6 +399,7 @@ def project_kv(hidden: torch.Tensor, weights: Weights, *, head_dim: int, k_eq_v:
     return key, rms_norm(value, None, eps=eps).transpose(1, 2)
 
 
+@torch.no_grad()
 def attention_block(hidden: torch.Tensor, weights: Weights, *, num_heads: int, num_kv_heads: int, head_dim: int,
                     k_eq_v: bool, rope_theta: float, partial_rotary_factor: float = 1.0, rope_factor: float = 1.0,
                     sliding_window: int | None = None, eps: float = 1e-6, positions: torch.Tensor | None = None,
@@ -489,6 +490,7 @@ def moe_block(residual: torch.Tensor, weights: Weights, *, hidden_size: int, top
     return rms_norm(out.reshape(residual.shape), weights["post_feedforward_layernorm_2.weight"], eps=eps)
 
 
+@torch.no_grad()
 def decoder_layer(hidden: torch.Tensor, weights: Weights, *, layer: LayerSpec, spec: TextSpec,
                   positions: torch.Tensor | None = None, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                   mask: torch.Tensor | None = None, per_layer_input: torch.Tensor | None = None
@@ -547,6 +549,7 @@ def per_layer_inputs(weights: Weights, *, spec: TextSpec, input_ids: torch.Tenso
     return (context + token) * 2.0 ** -0.5
 
 
+@torch.no_grad()
 def text_forward(weights: Weights, *, spec: TextSpec, input_ids: torch.Tensor,
                  positions: torch.Tensor | None = None) -> TextOutput:
     """The Gemma 4 text model plus LM head on a fresh sequence (no cache, no padding).
@@ -626,6 +629,7 @@ def ordered_logits(hidden: torch.Tensor, weights: Weights, *, lm_head: torch.Ten
     return out.scatter_(-1, canonical.view(batch, length, -1), logits)
 
 
+@torch.no_grad()
 def assistant_forward(weights: Weights, *, spec: AssistantSpec, inputs_embeds: torch.Tensor,
                       shared_kv: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
                       positions: torch.Tensor) -> AssistantOutput:
@@ -690,8 +694,14 @@ def compare_outputs(reference: torch.Tensor, candidate: torch.Tensor) -> ErrorSt
         max_abs=max_abs,
         max_rel=_ratio(max_abs, float(ref.abs().max()) if ref.numel() else 0.0),
         rel_rms=_ratio(norms[2], norms[0]),
-        cosine=float(ref @ cand) / (norms[0] * norms[1]) if norms[0] and norms[1] else float(norms[0] == norms[1]),
+        cosine=_cosine(float(ref @ cand), norms[0], norms[1]),
     )
+
+
+def _cosine(dot: float, norm_a: float, norm_b: float) -> float:
+    if norm_a and norm_b:
+        return max(-1.0, min(1.0, dot / (norm_a * norm_b)))  # clamp float64 rounding just past +-1
+    return float(norm_a == norm_b)
 
 
 def _ratio(numerator: float, denominator: float) -> float:
