@@ -41,8 +41,9 @@ class KvCost:
     context: int | None
 
     @property
-    def ratio(self) -> float:
-        return self.after / self.before if self.before else float("nan")
+    def ratio(self) -> float | None:
+        """after / before; None for a checkpoint that owns no KV cache (an assistant reads its target's)."""
+        return self.after / self.before if self.before else None
 
 
 def kv_costs(attention: AttentionConfig, *, dtype_bytes: int = 2) -> tuple[KvCost, ...]:

@@ -228,7 +228,6 @@ def _tensor_record(tensor: TensorPlan) -> dict[str, Any]:
 
 def serve_command(plan: ConversionPlan) -> str:
     """The `vllm serve` line for what was converted (pad-global pins the attention backend, FACTS.md section 4)."""
-    out = plan.request.out
     target, assistant = plan.item(ROLE_TARGET), plan.item(ROLE_ASSISTANT)
     if plan.request.single is not None:
         only = plan.items[0]

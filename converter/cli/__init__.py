@@ -1,0 +1,62 @@
+"""`gemma4-convert`: one click group, one module per verb; only this package calls sys.exit."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+
+from .. import __version__
+from ..errors import ConverterError
+
+EXIT_INTERRUPTED = 130
+EXIT_UNEXPECTED = 70
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="gemma4-convert")
+@click.option("--debug", is_flag=True, help="Show the Python traceback of unexpected errors.")
+def cli(debug: bool) -> None:
+    """Convert Gemma 4 target + MTP assistant checkpoints into layouts stock vLLM 0.27 loads correctly.
+
+    \b
+    Exit codes: 0 ok, 1 verification / pair check failed, 2 usage, 3 bad input checkpoint,
+    4 output problem (exists, no space, permissions), 5 Hub error, 70 unexpected, 130 interrupted.
+    """
+
+
+def _register() -> None:
+    # explicit imports: a verb that fails to import is a bug to see, not a verb to skip
+    from . import check_pair, convert, inspect  # noqa: F401
+
+    for module in (inspect, convert, check_pair):
+        cli.add_command(module.command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: maps every error to one line and an exit code."""
+    _register()
+    debug = "--debug" in (argv if argv is not None else sys.argv) or bool(os.environ.get("GEMMA4_CONVERT_DEBUG"))
+    try:
+        cli.main(args=argv, prog_name="gemma4-convert", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("error: interrupted; nothing was left behind", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except ConverterError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # noqa: BLE001 - the one place that turns the unexpected into an exit code
+        if debug:
+            traceback.print_exc()
+        first_line = (str(exc).splitlines() or [""])[0]
+        click.echo(f"error: unexpected {type(exc).__name__}: {first_line} (rerun with --debug for the traceback)",
+                   err=True)
+        sys.exit(EXIT_UNEXPECTED)
+    sys.exit(0)

@@ -1,0 +1,93 @@
+"""`gemma4-convert convert`: plan, show the cost, stream the conversion with a progress bar, print the serve line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from ..cost import human_bytes
+from ..errors import UsageError
+from ..layouts import get_layout, layout_names
+from ..pipeline import ConversionPlan, ConvertRequest, execute, plan_conversion, serve_command
+from ..plan import parse_size
+from ._common import PATH, kv_cost_lines
+
+
+def _size(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+@click.command("convert")
+@click.argument("src", type=PATH, required=False)
+@click.option("--target", type=PATH, help="Gemma 4 target checkpoint directory (written to OUT/target).")
+@click.option("--assistant", type=PATH, help="MTP assistant checkpoint directory (written to OUT/assistant).")
+@click.option("--out", "out", type=PATH, required=True, help="Output directory (must not exist unless --force).")
+@click.option("--layout", type=click.Choice(layout_names()), required=True,
+              help="per-layer: explicit keys, tensors unchanged (transformers<5.15). "
+                   "pad-global: homogeneous geometry, any transformers.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (only after the new output is complete).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and the cost; write nothing.")
+@click.option("--max-shard-size", callback=_size, default=None, metavar="SIZE",
+              help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
+def command(src: Path | None, target: Path | None, assistant: Path | None, out: Path, layout: str, force: bool,
+            dry_run: bool, max_shard_size: int | None) -> None:
+    """Convert a target and/or assistant (or one checkpoint SRC) into OUT with the chosen layout.
+
+    \b
+    Examples:
+      gemma4-convert convert --target T --assistant A --out DST --layout pad-global
+      gemma4-convert convert SRC --out DST --layout per-layer
+    """
+    request = ConvertRequest(out=out, layout=layout, target=target, assistant=assistant, single=src, force=force,
+                             max_shard_bytes=max_shard_size)
+    plan = plan_conversion(request)
+    _print_plan(plan, dry_run=dry_run)
+    if dry_run:
+        click.echo("dry run: nothing written")
+        return
+    with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
+              disable=None, leave=False) as bar:
+        execute(plan, on_bytes=bar.update)
+    click.echo(f"wrote {out} ({human_bytes(plan.output_bytes)} of tensors)")
+    for warning in plan.warnings:
+        click.echo(f"WARNING: {warning}", err=True)
+    click.echo("serve it with stock vLLM 0.27:")
+    if layout == "per-layer":
+        click.echo("  (per-layer needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
+    click.echo(f"  {serve_command(plan)}")
+
+
+def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
+    layout = get_layout(plan.request.layout)
+    click.echo(f"layout {layout.name}: {layout.description}")
+    for item in plan.items:
+        destination = plan.output_dir(item)
+        actions: dict[str, int] = {}
+        for tensor in item.plan.tensors:
+            actions[tensor.action] = actions.get(tensor.action, 0) + 1
+        summary = ", ".join(f"{n} {a}" for a, n in sorted(actions.items()))
+        growth = item.plan.total_size - item.plan.source_bytes
+        params = growth // item.source.shards[0].tensors[0].itemsize if item.source.shards else 0
+        click.echo(f"  {item.source.path} ({item.source.spec.kind}) -> {destination}")
+        click.echo(f"    {len(item.plan.shards)} shard(s); tensors: {summary}")
+        click.echo(f"    weights {human_bytes(item.plan.source_bytes)} -> {human_bytes(item.plan.total_size)} "
+                   f"({growth / max(item.plan.source_bytes, 1):+.1%}, {params / 1e6:+,.1f} M parameters)")
+        if dry_run:
+            for shard in item.plan.shards:
+                click.echo(f"    {shard.file_name}: {len(shard.tensors)} tensors, {human_bytes(shard.nbytes)}")
+    if plan.request.layout == "pad-global" and plan.item("target") is not None:
+        click.echo("  cost of pad-global for serving:")
+        for line in kv_cost_lines(plan.kv_costs()):
+            click.echo("  " + line)
+    for warning in plan.warnings:
+        click.echo(f"WARNING: {warning}", err=True)
+
+
+__all__ = ["command", "UsageError"]

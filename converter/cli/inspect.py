@@ -1,0 +1,71 @@
+"""`gemma4-convert inspect SRC [--json]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..cost import KvCost, human_bytes
+from ..io.checkpoint import read_checkpoint
+from ..report import inspect_checkpoint, summarize_layers
+from ._common import PATH, echo_json, kv_cost_lines
+
+
+@click.command("inspect")
+@click.argument("src", type=PATH)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (keys documented in README.md).")
+def command(src: Path, as_json: bool) -> None:
+    """Describe a checkpoint from config.json and safetensors headers only (no tensor data is read)."""
+    report = inspect_checkpoint(read_checkpoint(src))
+    if as_json:
+        echo_json(report)
+    else:
+        render(report)
+
+
+def render(report: dict[str, Any]) -> None:
+    g = report["geometry"]
+    click.echo(f"{report['path']}: {report['kind']}")
+    click.echo(f"  config dialect: {report['dialect']['name']} - {report['dialect']['note']}")
+    click.echo(f"  geometry: hidden {g['hidden_size']}, {g['num_attention_heads']} heads, head_dim {g['head_dim']} / "
+               f"global {g['global_head_dim']}, KV heads {g['num_key_value_heads']} / global "
+               f"{g['num_global_key_value_heads']}, k_eq_v {g['attention_k_eq_v']}, {g['num_layers']} layers"
+               + (f", backbone {g['backbone_hidden_size']}" if g["backbone_hidden_size"] else ""))
+    click.echo(f"  {'layers':<9} {'type':<18} {'head_dim':>8} {'kv':>4}  attention")
+    for group in summarize_layers(report["layers"]):
+        row = group["row"]
+        span = str(group["first"]) if group["first"] == group["last"] else f"{group['first']}-{group['last']}"
+        flag = "  SHAPE MISMATCH: " + ", ".join(row["shape_mismatches"]) if row["shape_mismatches"] else ""
+        click.echo(f"  {span:<9} {row['type']:<18} {row['head_dim']:>8} {row['kv_heads']:>4}  {row['attention']}{flag}")
+    for problem in report["problems"]:
+        click.echo(f"  PROBLEM: {problem}")
+    dtypes = ", ".join(f"{k} x{v}" for k, v in report["dtypes"].items())
+    click.echo(f"  {len(report['shards'])} shard(s), {report['tensor_count']} tensors ({dtypes}), "
+               f"{human_bytes(report['total_bytes'])}")
+    if report["quantization"]:
+        click.echo(f"  quantization: {report['quantization'].get('quant_method', report['quantization'])}")
+    if report["conversion"]:
+        c = report["conversion"]
+        click.echo(f"  converted by gemma4-convert {c['tool_version']}: layout {c['layout']}"
+                   f"{' (recognized)' if c['recognized'] else ' (config does NOT match the recorded layout)'}"
+                   f", from {c['source']}")
+    click.echo("  stock vLLM 0.27:")
+    for generation in ("transformers<5.15", "transformers>=5.15"):
+        verdict = report["vllm_0_27"][generation]
+        error = f" ({verdict['error']})" if verdict["error"] else ""
+        click.echo(f"    with {generation}: {verdict['outcome']}{error} - {verdict['detail']}")
+    if report["vllm_0_27"]["silent_truncation_risk"]:
+        click.echo(f"    risk: {report['vllm_0_27']['silent_truncation_risk']}")
+    rec = report["recommendation"]
+    if rec["layout"] is None:
+        click.echo(f"  recommendation: nothing to convert - {rec['why']}")
+    else:
+        alt = rec["alternative"]
+        click.echo(f"  recommendation: --layout {rec['layout']} ({rec['why']}; requires {rec['requires']}); "
+                   f"or --layout {alt['layout']} when {alt['when']}")
+    costs = tuple(KvCost(before=c["current"], after=c["pad_global"], context=c["context"])
+                  for c in report["kv_cache_bytes_per_token"])
+    for line in kv_cost_lines(costs):
+        click.echo(line.replace("->", "now, after pad-global"))

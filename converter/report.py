@@ -1,0 +1,175 @@
+"""`inspect`: what a checkpoint is and what stock vLLM 0.27 will do with it, from config + headers only.
+
+The document built here is the `--json` output; its keys are documented in README.md and stay stable.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from .cost import kv_costs
+from .errors import InputError
+from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec
+from .io.checkpoint import Checkpoint
+from .layouts import get_layout
+from .layouts.base import AttentionTensor, check_attention_tensors, expected_shape, find_attention_tensors
+
+REPORT_VERSION = 1
+AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
+
+
+def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The inspect document for one checkpoint (see README.md, "inspect --json keys")."""
+    spec = checkpoint.spec
+    attention_tensors = list(find_attention_tensors(checkpoint))
+    problems = _problems(checkpoint, attention_tensors)
+    recognized = _recognized_layout(checkpoint)
+    return {
+        "report_version": REPORT_VERSION,
+        "path": str(checkpoint.path),
+        "kind": spec.kind,
+        "role": spec.role,
+        "model_type": spec.model_type,
+        "multimodal": spec.multimodal,
+        "weight_prefix": spec.weight_prefix,
+        "dialect": _dialect(spec),
+        "geometry": _geometry(spec),
+        "layers": _layers(spec, attention_tensors),
+        "problems": problems,
+        "shards": [{"file": s.file.name, "tensors": len(s.tensors), "bytes": s.size} for s in checkpoint.shards],
+        "dtypes": dict(Counter(ref.dtype for ref in checkpoint.tensors.values())),
+        "tensor_count": len(checkpoint.tensors),
+        "total_bytes": checkpoint.total_bytes,
+        "quantization": dict(spec.quantization) if spec.quantization else None,
+        "conversion": _conversion(checkpoint, recognized),
+        "vllm_0_27": predict_vllm(spec, attention_tensors),
+        "recommendation": _recommendation(spec, recognized),
+        "kv_cache_bytes_per_token": [
+            {"context": c.context, "current": c.before, "pad_global": c.after, "ratio": None if c.ratio is None else round(c.ratio, 3)}
+            for c in kv_costs(spec.attention)],
+    }
+
+
+def _dialect(spec: ModelSpec) -> dict[str, Any]:
+    notes = {
+        DIALECT_LEGACY: "flat head_dim/global_head_dim/num_global_key_value_heads keys (what vLLM 0.27 reads)",
+        DIALECT_PER_LAYER: "transformers>=5.15 per_layer_config; the flat global keys vLLM 0.27 reads are absent",
+        DIALECT_BOTH: "flat keys and per_layer_config; transformers ignores the flat global keys "
+                      "(per_layer_config wins), vLLM 0.27 reads only the flat ones",
+    }
+    return {"name": spec.dialect, "wins": DIALECT_LEGACY if spec.dialect == DIALECT_LEGACY else DIALECT_PER_LAYER,
+            "note": notes[spec.dialect]}
+
+
+def _geometry(spec: ModelSpec) -> dict[str, Any]:
+    a = spec.attention
+    return {"hidden_size": a.hidden_size, "num_attention_heads": a.num_heads, "head_dim": a.head_dim,
+            "global_head_dim": a.global_head_dim, "num_key_value_heads": a.num_kv_heads,
+            "num_global_key_value_heads": a.num_global_kv_heads, "attention_k_eq_v": a.k_eq_v,
+            "num_layers": len(a.layer_types), "num_kv_shared_layers": a.num_kv_shared_layers,
+            "sliding_window": a.sliding_window, "homogeneous": a.is_homogeneous,
+            "backbone_hidden_size": spec.backbone_hidden_size}
+
+
+def _attention_form(layer, modules: set[str], fused: bool) -> str:
+    if layer.kv_shared:
+        return "Q-only (KV shared)"
+    if fused:
+        return "fused qkv_proj"
+    if layer.k_eq_v and "v_proj" not in modules:
+        return "k_eq_v (no v_proj)"
+    return "split q/k/v"
+
+
+def _layers(spec: ModelSpec, tensors: list[AttentionTensor]) -> list[dict[str, Any]]:
+    rows = []
+    for layer in spec.attention.layers:
+        mine = [t for t in tensors if t.layer.index == layer.index]
+        shapes = {f"{t.module}.{t.param}": list(t.source.shape) for t in mine}
+        mismatched = [f"{t.module}.{t.param}" for t in mine
+                      if (want := expected_shape(t, spec.attention)) is not None and t.source.shape != want]
+        rows.append({"index": layer.index, "type": layer.layer_type, "head_dim": layer.head_dim,
+                     "kv_heads": layer.num_kv_heads,
+                     "attention": _attention_form(layer, {t.module for t in mine}, any(t.from_fused for t in mine)),
+                     "tensors": shapes, "shape_mismatches": mismatched})
+    return rows
+
+
+def _problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
+    try:
+        check_attention_tensors(tensors, checkpoint.spec, source=str(checkpoint.path))
+    except InputError as exc:
+        return [str(exc)]
+    return []
+
+
+def _recognized_layout(checkpoint: Checkpoint) -> str | None:
+    manifest = checkpoint.manifest or {}
+    layout = manifest.get("layout") if manifest.get("tool") == "gemma4-convert" else None
+    if layout and get_layout(layout).matches(checkpoint.spec):
+        return layout
+    return None
+
+
+def _conversion(checkpoint: Checkpoint, recognized: str | None) -> dict[str, Any] | None:
+    manifest = checkpoint.manifest
+    if not manifest or manifest.get("tool") != "gemma4-convert":
+        return None
+    return {"layout": manifest.get("layout"), "recognized": recognized is not None,
+            "tool_version": manifest.get("version"), "source": manifest.get("source", {}).get("path"),
+            "converted_with_pair": manifest.get("converted_with_pair"), "warnings": manifest.get("warnings", [])}
+
+
+def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor]) -> dict[str, Any]:
+    """What stock vLLM 0.27.0 does with this config (FACTS.md section 3), per transformers generation."""
+    a = spec.attention
+    fused = any(t.from_fused for t in tensors)
+    has_per_layer = spec.dialect != DIALECT_LEGACY
+    if has_per_layer:
+        old = {"outcome": "fails", "error": AMBIGUOUS,
+               "detail": "config.json carries per_layer_config, which transformers 5.14.1 already rejects"}
+    elif fused:
+        old = {"outcome": "fails", "error": None,
+               "detail": "fused self_attn.qkv_proj: vLLM 0.27 maps split q_proj/k_proj/v_proj only"}
+    else:
+        old = {"outcome": "loads", "error": None, "detail": "flat per-layer-type keys are what vLLM 0.27 reads"}
+    if a.is_homogeneous and not has_per_layer and not fused:
+        new = {"outcome": "loads", "error": None, "detail": "homogeneous geometry: no per-layer attribute to reject"}
+    else:
+        new = {"outcome": "fails", "error": AMBIGUOUS,
+               "detail": "heterogeneous head_dim/KV heads: transformers>=5.15 raises on config.head_dim "
+                         "(vLLM model_arch_config_convertor.py:608) before any weight is read"}
+    risk = None
+    if spec.dialect == DIALECT_PER_LAYER and not a.is_homogeneous:
+        risk = ("global_head_dim/num_global_key_value_heads are absent: if the config is forced through, vLLM builds "
+                "full layers with the sliding geometry; a target k_eq_v layer then fails with 'start (0) + length "
+                f"({a.num_kv_heads * a.head_dim}) exceeds dimension size ({a.num_global_kv_heads * a.global_head_dim})'"
+                " and draft q_proj/o_proj are silently truncated (garbage outputs)")
+    return {"transformers<5.15": old, "transformers>=5.15": new, "silent_truncation_risk": risk}
+
+
+def _recommendation(spec: ModelSpec, recognized: str | None) -> dict[str, Any]:
+    a = spec.attention
+    if a.is_homogeneous and spec.dialect == DIALECT_LEGACY:
+        return {"layout": None, "why": "already homogeneous: serves with any transformers version"
+                + (f" (converted with {recognized})" if recognized else "")}
+    ratio = kv_costs(a)[0].ratio
+    return {"layout": "per-layer", "requires": "transformers<5.15 where vLLM runs",
+            "why": "exact and free: same tensors and KV cache, only the config keys vLLM 0.27 reads",
+            "alternative": {"layout": "pad-global", "when": "the serving environment has transformers>=5.15 "
+                            "(what `pip install vllm==0.27.0` resolves today)",
+                            "kv_cache_ratio_all_layers": None if ratio is None else round(ratio, 3),
+                            "note": "convert target and assistant together"}}
+
+
+def summarize_layers(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Collapses consecutive layers with identical geometry and attention form for the text table."""
+    groups: list[dict[str, Any]] = []
+    for row in layers:
+        key = (row["type"], row["head_dim"], row["kv_heads"], row["attention"], bool(row["shape_mismatches"]))
+        if groups and groups[-1]["key"] == key and groups[-1]["last"] == row["index"] - 1:
+            groups[-1]["last"] = row["index"]
+        else:
+            groups.append({"key": key, "first": row["index"], "last": row["index"], "row": row})
+    return groups
