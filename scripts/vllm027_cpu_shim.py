@@ -1,0 +1,114 @@
+"""Let stock vLLM 0.27.0 build and load Gemma 4 models on a CPU-only machine.
+
+Nothing in vLLM is patched. Three things are set up before the first vLLM import:
+
+1. ``vllm.platforms._current_platform`` is a ``CpuPlatform``. The vLLM wheel on PyPI
+   is a CUDA build; without a GPU its platform detection finds nothing usable.
+2. ``torch.ops._C`` activation ops. vLLM's activation layers look these kernels up
+   in their constructors (``model_executor/layers/activation.py``: ``GeluAndMul``
+   picks ``torch.ops._C.gelu_tanh_and_mul`` on CPU). The CUDA wheel's ``vllm._C``
+   cannot provide them here, so we register plain PyTorch versions. Loading
+   weights never calls them.
+3. An import-only ``torchvision`` stand-in (``vllm027_standins/torchvision``), put on
+   the path only when no real torchvision can be imported. transformers 5.14.1's
+   ``image_processing_gemma4.py`` imports ``torchvision.transforms.v2.functional`` at
+   import time and vLLM's ``gemma4_mm.py`` imports that processor; the only torchvision
+   wheels on the registry are CUDA builds that fail beside the CPU torch. Every call
+   into the stand-in raises: a load check processes no image.
+
+Call :func:`install` before importing anything else from vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+STANDINS_DIR = Path(__file__).resolve().parent / "vllm027_standins"
+
+
+def _install_torchvision_standin() -> bool:
+    """Puts the import-only torchvision on sys.path and PYTHONPATH when no real one exists.
+
+    PYTHONPATH too: vLLM inspects model classes in a subprocess
+    (``model_executor/models/registry.py``), which imports ``gemma4_mm`` again.
+
+    Returns:
+        True when the stand-in was installed.
+    """
+    if importlib.util.find_spec("torchvision") is not None:
+        return False
+    sys.path.append(str(STANDINS_DIR))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH"), str(STANDINS_DIR)) if p
+    )
+    return True
+
+
+def _gated(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    def op(out: torch.Tensor, x: torch.Tensor) -> None:
+        d = x.shape[-1] // 2
+        out.copy_(act(x[..., :d]) * x[..., d:])
+
+    return op
+
+
+def _elementwise(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    def op(out: torch.Tensor, x: torch.Tensor) -> None:
+        out.copy_(act(x))
+
+    return op
+
+
+# name -> implementation; all share the schema "(Tensor(a!) out, Tensor input) -> ()"
+# used by vLLM's csrc/torch_bindings.cpp for these ops.
+_ACTIVATION_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "gelu_and_mul": _gated(lambda t: F.gelu(t, approximate="none")),
+    "gelu_tanh_and_mul": _gated(lambda t: F.gelu(t, approximate="tanh")),
+    "silu_and_mul": _gated(F.silu),
+    "gelu_tanh": _elementwise(lambda t: F.gelu(t, approximate="tanh")),
+    "gelu_new": _elementwise(lambda t: F.gelu(t, approximate="tanh")),
+    "gelu_fast": _elementwise(lambda t: F.gelu(t, approximate="tanh")),
+    "gelu_quick": _elementwise(lambda t: t * torch.sigmoid(1.702 * t)),
+}
+
+_library: torch.library.Library | None = None
+
+
+def _register_activation_ops() -> list[str]:
+    """Registers the ops vLLM's extension would provide; returns the names added."""
+    global _library
+    if _library is None:
+        _library = torch.library.Library("_C", "FRAGMENT")
+    added = []
+    for name, impl in _ACTIVATION_OPS.items():
+        if hasattr(torch.ops._C, name):
+            continue
+        _library.define(f"{name}(Tensor(a!) out, Tensor input) -> ()")
+        _library.impl(name, impl, "CompositeExplicitAutograd")
+        added.append(name)
+    return added
+
+
+def install() -> dict[str, object]:
+    """Sets up the CPU platform, op stand-ins and torchvision stand-in.
+
+    Returns:
+        What was done: {"platform": str, "ops_registered": [...], "torchvision_standin": bool}.
+    """
+    torchvision_standin = _install_torchvision_standin()
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platforms._current_platform = CpuPlatform()
+    return {
+        "platform": type(platforms._current_platform).__name__,
+        "ops_registered": _register_activation_ops(),
+        "torchvision_standin": torchvision_standin,
+    }
