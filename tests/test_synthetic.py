@@ -1,0 +1,78 @@
+"""The factory writes what Gemma 4 checkpoints hold: transformers 5.23's own modules name the same tensors."""
+
+import json
+
+import pytest
+import torch
+
+from converter.synthetic import PRESETS, assistant_tensors, target_tensors, tiny_preset, write_checkpoint
+from converter.gemma4 import read_spec
+
+
+def _meta_state_dict(model_class, config):
+    with torch.device("meta"):
+        model = model_class(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+def _text_config(config_dict):
+    from transformers import Gemma4TextConfig
+    return Gemma4TextConfig(**{k: v for k, v in config_dict.items() if k not in ("model_type", "dtype")})
+
+
+@pytest.mark.parametrize("preset", ["31b", "e2b", "e4b"])
+def test_text_target_names_and_shapes_match_transformers(tmp_path, preset):
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+    p = tiny_preset(preset)
+    path = write_checkpoint(tmp_path / "t", preset=p, role="target", multimodal=False)
+    config = json.loads((path / "config.json").read_text())
+    expected = _meta_state_dict(Gemma4ForCausalLM, _text_config(config))
+    ours = {s.name: s.shape for s in target_tensors(p, multimodal=False)}
+    assert ours == expected
+
+
+def test_multimodal_target_names_and_shapes_match_transformers(tmp_path):
+    from transformers import Gemma4Config
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForConditionalGeneration
+    p = tiny_preset("31b")
+    config = json.loads((write_checkpoint(tmp_path / "t", preset=p, role="target") / "config.json").read_text())
+    hf_config = Gemma4Config(text_config=_text_config(config["text_config"]),
+                             vision_config={k: v for k, v in config["vision_config"].items() if k != "dtype"},
+                             audio_config=None)
+    expected = _meta_state_dict(Gemma4ForConditionalGeneration, hf_config)
+    ours = {s.name: s.shape for s in target_tensors(p, multimodal=True)}
+    assert ours == expected
+
+
+@pytest.mark.parametrize("preset", ["31b", "e2b"])
+def test_assistant_names_and_shapes_match_transformers(tmp_path, preset, monkeypatch):
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4_assistant.configuration_gemma4_assistant import Gemma4AssistantConfig
+    from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
+    # transformers 5.23 raises in kv_sharing_modes when every layer is KV-shared (FACTS.md section 2):
+    # every assistant layer reuses the target's cache, which is what this stand-in says.
+    monkeypatch.setattr(Gemma4TextConfig, "kv_sharing_modes",
+                        property(lambda self: ["reuse"] * self.num_hidden_layers))
+    p = tiny_preset(preset)
+    config = json.loads((write_checkpoint(tmp_path / "a", preset=p, role="assistant") / "config.json").read_text())
+    hf_config = Gemma4AssistantConfig(
+        text_config=_text_config(config["text_config"]), backbone_hidden_size=config["backbone_hidden_size"],
+        use_ordered_embeddings=config["use_ordered_embeddings"], num_centroids=config["num_centroids"])
+    expected = _meta_state_dict(Gemma4AssistantForCausalLM, hf_config)
+    ours = {s.name: s.shape for s in assistant_tensors(p)}
+    assert ours == expected
+
+
+def test_full_size_31b_assistant_matches_the_published_checkpoint():
+    """FACTS.md section 1: 48 tensors, 939,037,192 bytes in bf16."""
+    specs = assistant_tensors(PRESETS["31b"])
+    total = sum(2 * torch.Size(s.shape).numel() for s in specs)
+    assert (len(specs), total) == (48, 939_037_192)
+
+
+@pytest.mark.parametrize("dialect", ["legacy", "per_layer_config", "both"])
+def test_every_dialect_resolves_to_the_same_geometry(tmp_path, dialect):
+    path = write_checkpoint(tmp_path / dialect, preset=tiny_preset("31b"), role="target", dialect=dialect)
+    spec = read_spec(json.loads((path / "config.json").read_text()), source="config.json")
+    assert spec.dialect == dialect
+    assert [(g.head_dim, g.num_kv_heads) for g in spec.attention.layers] == [(16, 16)] * 5 + [(32, 4)]

@@ -1,0 +1,84 @@
+"""The pad-global tensor functions: placement, exactness on every dtype, and refusal of impossible ratios."""
+
+import pytest
+import torch
+
+from converter.transforms import (decode, encode, pad_head_columns, pad_head_norm, pad_head_rows,
+                                  replicate_kv_heads, transform_bytes)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+
+
+def _rows(heads: int, d: int, width: int = 3) -> torch.Tensor:
+    return torch.arange(heads * d * width, dtype=torch.float32).reshape(heads * d, width)
+
+
+def test_pad_head_rows_places_each_half_interleaved_with_duplicates():
+    padded = pad_head_rows(_rows(2, 4, 1), num_heads=2, head_dim=4, target_head_dim=8)[:, 0]
+    # head 0: dims (0,1 | 2,3) -> slots (0,1,2,3 | 4,5,6,7) = (0,0,1,1 | 2,2,3,3)
+    assert padded.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_rope_pairs_are_preserved(ratio):
+    """Default RoPE pairs slot p with p + D/2; the primary slots must pair exactly like i with i + d/2."""
+    d = 8
+    big = d * ratio
+    padded = pad_head_rows(torch.arange(d, dtype=torch.float32)[:, None], num_heads=1, head_dim=d,
+                           target_head_dim=big)[:, 0]
+    for i in range(d // 2):
+        primary = ratio * i
+        assert padded[primary] == i and padded[primary + big // 2] == i + d // 2
+        # the frequency theta^(-2p/D) of the primary slot equals theta^(-2i/d) of the original dim
+        assert 2 * primary / big == 2 * i / d
+
+
+def test_norm_and_columns_are_zero_at_copies():
+    norm = pad_head_norm(torch.tensor([1.0, 2.0, 3.0, 4.0]), head_dim=4, target_head_dim=8)
+    assert norm.tolist() == [1, 0, 2, 0, 3, 0, 4, 0]
+    columns = pad_head_columns(torch.arange(8.0).reshape(1, 8), num_heads=2, head_dim=4, target_head_dim=8)
+    assert columns.tolist() == [[0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0]]
+
+
+def test_replicate_kv_heads_repeats_each_head_in_place():
+    weight = torch.arange(4.0)[:, None]  # 2 heads of dim 2
+    assert replicate_kv_heads(weight, num_heads=2, head_dim=2, repeats=3)[:, 0].tolist() == \
+        [0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_transforms_preserve_bits_for_every_dtype(dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(2 * 8, 5).to(dtype)
+    padded = pad_head_rows(weight, num_heads=2, head_dim=8, target_head_dim=16)
+    assert padded.dtype == dtype
+    bits = padded.view(torch.uint8 if dtype.itemsize == 1 else torch.int16 if dtype.itemsize == 2 else torch.int32)
+    source = weight.view(bits.dtype)
+    assert torch.equal(bits.reshape(2, 2, 4, 2, 5)[:, :, :, 0], source.reshape(2, 2, 4, 5))
+    assert torch.equal(bits.reshape(2, 2, 4, 2, 5)[:, :, :, 1], source.reshape(2, 2, 4, 5))
+
+
+def test_per_channel_scale_rows_follow_their_weight_rows():
+    scale = torch.arange(8.0)[:, None]  # fp8 per-channel weight_scale [rows, 1]
+    assert pad_head_rows(scale, num_heads=2, head_dim=4, target_head_dim=8)[:, 0].tolist() == \
+        [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+
+
+@pytest.mark.parametrize("d, big", [(16, 24), (3, 6), (16, 8)])
+def test_impossible_ratios_are_refused(d, big):
+    with pytest.raises(ValueError, match="cannot place head_dim"):
+        pad_head_rows(torch.zeros(d, 2), num_heads=1, head_dim=d, target_head_dim=big)
+
+
+def test_wrong_row_count_is_refused():
+    with pytest.raises(ValueError, match="expected 8 rows"):
+        pad_head_rows(torch.zeros(7, 2), num_heads=2, head_dim=4, target_head_dim=8)
+
+
+def test_bytes_round_trip_through_transform_bytes():
+    weight = torch.randn(8, 3).to(torch.bfloat16)
+    raw = bytes(encode(weight))
+    assert torch.equal(decode(raw, dtype=torch.bfloat16, shape=(8, 3)), weight)
+    out = transform_bytes(raw, dtype=torch.bfloat16, shape=(8, 3), name="pad_head_rows",
+                          params={"num_heads": 2, "head_dim": 4, "target_head_dim": 8})
+    assert bytes(out) == bytes(encode(pad_head_rows(weight, num_heads=2, head_dim=4, target_head_dim=8)))
