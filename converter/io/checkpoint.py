@@ -70,7 +70,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if not root.is_dir():
         raise InputError(f"{root}: not a directory")
     config_path = root / "config.json"
-    if not config_path.exists():
+    if not _present(config_path):
         raise InputError(f"{config_path}: not found (is {root} a Hugging Face checkpoint?)")
     config = read_json(config_path)
     if not isinstance(config, dict):
@@ -80,15 +80,21 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     shards = tuple(read_header(root / name) for name in shard_names)
     _check_index(root, shards, indexed)
     manifest_path = root / MANIFEST_NAME
-    manifest = read_json(manifest_path) if manifest_path.exists() else None
+    manifest = read_json(manifest_path) if _present(manifest_path) else None
     return Checkpoint(path=root, config=config, spec=spec, shards=shards, indexed=indexed,
                       side_files=_side_files(root), manifest=manifest)
+
+
+def _present(path: Path) -> bool:
+    # exists() is False for a symlink loop or a dangling link: reading it then reports the real OSError
+    # ("Too many levels of symbolic links") instead of a misleading "not found".
+    return path.exists() or path.is_symlink()
 
 
 def _shard_names(root: Path) -> tuple[list[str], bool]:
     index_path = root / INDEX_NAME
     present = sorted(p.name for p in root.glob("*.safetensors"))
-    if not index_path.exists():
+    if not _present(index_path):
         if present == [SINGLE_NAME]:
             return present, False
         if not present:
@@ -102,7 +108,7 @@ def _shard_names(root: Path) -> tuple[list[str], bool]:
     for name in named:
         if Path(name).name != name:
             raise InputError(f"{index_path}: shard name {name!r} is not a plain file name")
-        if not (root / name).is_file():
+        if not (root / name).is_file() and not (root / name).is_symlink():
             raise InputError(f"{index_path}: names shard {name!r}, which is missing from {root}")
     unindexed = sorted(set(present) - set(named))
     if unindexed:
@@ -135,6 +141,9 @@ def _side_files(root: Path) -> tuple[str, ...]:
     """Top-level non-weight files to carry over unchanged (tokenizer, generation config, templates, docs)."""
     files = []
     for entry in sorted(root.iterdir()):
+        if entry.is_symlink() and not entry.exists() and not entry.name.startswith("."):
+            # a dangling link (e.g. an incomplete Hugging Face cache snapshot) must not silently drop a tokenizer
+            raise InputError(f"{entry}: broken symbolic link or symbolic link loop")
         if entry.name.startswith(".") or not entry.is_file():
             continue
         if entry.name in NOT_COPIED_NAMES or entry.name.endswith(NOT_COPIED_SUFFIXES):

@@ -107,7 +107,7 @@ def _tensor_ref(path: Path, name: str, entry: Any, data_start: int) -> TensorRef
     if not isinstance(entry, dict):
         raise InputError(f"{path}: header entry {name!r} is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InputError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r} (known: {', '.join(DTYPES)})")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                for d in shape):
