@@ -1,0 +1,212 @@
+"""Numerical half of `verify`: original vs converted, one layer's weights per side on the device at a time.
+
+For every target attention layer, the original and converted blocks run on the same random hidden states
+(normalized with the layer's own input_layernorm weight, so activations have the real scale). The truth
+is the ORIGINAL block in higher precision (fp32 for a bf16 check, fp64 for an fp32 check); the original
+block in the checked dtype gives the model's own noise floor; the converted block must stay within
+`factor` x that floor. Then the assistant runs end to end, original with the original target's K/V and
+converted with the converted target's K/V (the last sliding and last full layer), compared the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .gemma4 import FULL, ROLE_ASSISTANT, ROLE_TARGET, text_config_of
+from .io.checkpoint import Checkpoint
+from .io.safetensors_header import DTYPES, TensorRef
+from .io.tensor_reader import read_range
+from .layouts.base import find_attention_tensors
+from .plan import SourceSlice
+from .reference import (AttentionOutput, LayerSpec, assistant_forward, assistant_spec_from_config, attention_block,
+                        compare_outputs, rms_norm, text_spec_from_config)
+from .transforms import decode, pad_head_rows, replicate_kv_heads
+from .verify import LayerCheck
+
+CHECK_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TRUTH_DTYPES = {"bf16": torch.float32, "fp32": torch.float64}
+ASSISTANT_QUERIES = 4
+# An absolute floor under the noise floor, relative to the output's magnitude: a block whose bf16 run happens
+# to round exactly like the truth must not make any converted error look infinite.
+MIN_FLOOR_RELATIVE = 1e-6
+
+KvByType = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _load(piece: SourceSlice, device: torch.device) -> torch.Tensor:
+    raw = read_range(piece.ref.file, piece.offset, piece.nbytes)
+    return decode(raw, dtype=DTYPES[piece.ref.dtype][0], shape=piece.shape).to(device)
+
+
+def layer_attention_weights(checkpoint: Checkpoint, layer: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """q/k/v/o/norm weights of one layer named like the reference expects (a fused qkv_proj arrives split)."""
+    return {f"{t.module}.{t.param}": _load(t.source, device)
+            for t in find_attention_tensors(checkpoint) if t.layer.index == layer}
+
+
+def _tensor(checkpoint: Checkpoint, name: str, device: torch.device) -> torch.Tensor:
+    ref: TensorRef = checkpoint.tensors[name]
+    return _load(SourceSlice.whole(ref), device)
+
+
+def _run_block(hidden: torch.Tensor, weights: dict[str, torch.Tensor], layer: LayerSpec, dtype: torch.dtype,
+               kv: tuple[torch.Tensor, torch.Tensor] | None) -> AttentionOutput:
+    cast = {name: w.to(dtype) for name, w in weights.items()}
+    return attention_block(hidden.to(dtype), cast, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                           head_dim=layer.head_dim, k_eq_v=layer.k_eq_v, rope_theta=layer.rope_theta,
+                           partial_rotary_factor=layer.partial_rotary_factor, rope_factor=layer.rope_factor,
+                           sliding_window=layer.sliding_window, eps=layer.eps,
+                           kv=None if kv is None else (kv[0].to(dtype), kv[1].to(dtype)))
+
+
+def judge(name: str, truth: torch.Tensor, floor_run: torch.Tensor, converted_run: torch.Tensor,
+          factor: float) -> LayerCheck:
+    """Pass when the converted error is within `factor` x the original's own error in the checked dtype."""
+    floor = compare_outputs(truth, floor_run)
+    error = compare_outputs(truth, converted_run)
+    scale = float(truth.abs().max()) if truth.numel() else 0.0
+    noise = max(floor.max_abs, MIN_FLOOR_RELATIVE * scale)
+    return LayerCheck(name=name, max_abs=error.max_abs, max_rel=error.max_rel, cosine=error.cosine,
+                      noise_floor=noise, factor=factor, passed=error.max_abs <= factor * noise)
+
+
+class _Sides:
+    """The dtypes of the three runs of every check: truth (original, one step more precise), floor (original in
+    the checked dtype) and converted (checked dtype)."""
+
+    def __init__(self, check: str):
+        self.truth_dtype, self.check_dtype = TRUTH_DTYPES[check], CHECK_DTYPES[check]
+
+
+def check_target_layers(source: Checkpoint, output: Checkpoint, *, device: torch.device, check: str, seed: int,
+                        seq_len: int, factor: float, on_layer: Callable[[str], None]
+                        ) -> tuple[list[LayerCheck], dict[str, KvByType]]:
+    """One LayerCheck per target attention layer; returns the K/V the assistant will read, per run."""
+    sides = _Sides(check)
+    original = text_spec_from_config(text_config_of(source.config))
+    converted = text_spec_from_config(text_config_of(output.config))
+    prefix = source.spec.weight_prefix
+    kv_runs: dict[str, KvByType] = {"truth": {}, "floor": {}, "converted": {}}
+    checks = []
+    for index, (before, after) in enumerate(zip(original.layers, converted.layers)):
+        generator = torch.Generator().manual_seed(seed + index)
+        raw = torch.randn(1, seq_len, original.hidden_size, generator=generator).to(device)
+        norm = _tensor(source, f"{prefix}layers.{index}.input_layernorm.weight", device)
+        hidden = rms_norm(raw, norm.float(), eps=original.eps)
+        weights = layer_attention_weights(source, index, device)
+        converted_weights = layer_attention_weights(output, index, device)
+        shared = before.layer_type if before.kv_shared else None
+        runs = {
+            "truth": _run_block(hidden, weights, before, sides.truth_dtype,
+                                kv_runs["truth"].get(shared) if shared else None),
+            "floor": _run_block(hidden, weights, before, sides.check_dtype,
+                                kv_runs["floor"].get(shared) if shared else None),
+            "converted": _run_block(hidden, converted_weights, after, sides.check_dtype,
+                                    kv_runs["converted"].get(shared) if shared else None),
+        }
+        if not before.kv_shared:
+            for run, result in runs.items():
+                kv_runs[run][before.layer_type] = (result.key, result.value)
+        name = f"target layer {index} ({before.layer_type})"
+        checks.append(judge(name, runs["truth"].out, runs["floor"].out, runs["converted"].out, factor))
+        on_layer(name)
+        del weights, converted_weights, runs
+    return checks, kv_runs
+
+
+def synthetic_target_kv(source: Checkpoint, output: Checkpoint, *, device: torch.device, check: str, seed: int,
+                        seq_len: int) -> dict[str, KvByType]:
+    """K/V for an assistant verified without its target: random in the original geometry, and the same values
+    placed the way a pad-global target would cache them (primary slots, zero copies for K; duplicates for V)."""
+    sides = _Sides(check)
+    before = assistant_spec_from_config(source.config).text.layers
+    after = assistant_spec_from_config(output.config).text.layers
+    kv_runs: dict[str, KvByType] = {"truth": {}, "floor": {}, "converted": {}}
+    generator = torch.Generator().manual_seed(seed + 10_000)
+    for layer_type in {layer.layer_type for layer in before}:
+        b = next(layer for layer in before if layer.layer_type == layer_type)
+        a = next(layer for layer in after if layer.layer_type == layer_type)
+        shape = (1, b.num_kv_heads, seq_len, b.head_dim)
+        key = rms_norm(torch.randn(shape, generator=generator), None, eps=b.eps).to(device)
+        value = rms_norm(torch.randn(shape, generator=generator), None, eps=b.eps).to(device)
+        converted = (_as_converted(key, b, a, zero_copies=True), _as_converted(value, b, a, zero_copies=False))
+        kv_runs["truth"][layer_type] = (key.to(sides.truth_dtype), value.to(sides.truth_dtype))
+        kv_runs["floor"][layer_type] = (key.to(sides.check_dtype), value.to(sides.check_dtype))
+        kv_runs["converted"][layer_type] = (converted[0].to(sides.check_dtype), converted[1].to(sides.check_dtype))
+    return kv_runs
+
+
+def _as_converted(states: torch.Tensor, before: LayerSpec, after: LayerSpec, *, zero_copies: bool) -> torch.Tensor:
+    """[1, kv, L, d] cache states -> the cache a pad-global target holds, by the same transforms as the weights."""
+    batch, heads, length, dim = states.shape
+    rows = states.permute(1, 3, 0, 2).reshape(heads * dim, batch * length)  # head dims as rows
+    if after.head_dim != dim:
+        rows = pad_head_rows(rows, num_heads=heads, head_dim=dim, target_head_dim=after.head_dim)
+        if zero_copies:  # k_norm's zero weights at the copy slots
+            ratio = after.head_dim // dim
+            mask = (torch.arange(after.head_dim, device=rows.device) % ratio == 0).repeat(heads)
+            rows = rows * mask[:, None].to(rows.dtype)
+        dim = after.head_dim
+    if after.num_kv_heads != heads:
+        rows = replicate_kv_heads(rows, num_heads=heads, head_dim=dim, repeats=after.num_kv_heads // heads)
+        heads = after.num_kv_heads
+    return rows.reshape(heads, dim, batch, length).permute(2, 0, 3, 1).contiguous()
+
+
+def failed_check(name: str, reason: str, factor: float) -> LayerCheck:
+    """A block the converted checkpoint cannot even run (e.g. K/V geometry that does not fit its queries)."""
+    inf = float("inf")
+    return LayerCheck(name=name, max_abs=inf, max_rel=inf, cosine=0.0, noise_floor=0.0, factor=factor, passed=False,
+                      note=reason)
+
+
+def check_assistant(source: Checkpoint, output: Checkpoint, kv_runs: dict[str, KvByType], *, device: torch.device,
+                    check: str, seed: int, seq_len: int, factor: float) -> list[LayerCheck]:
+    """The assistant end to end: hidden states and logits, original vs converted."""
+    try:
+        return _check_assistant(source, output, kv_runs, device=device, check=check, seed=seed, seq_len=seq_len,
+                                factor=factor)
+    except ValueError as exc:  # the reference's shape checks: the converted assistant does not fit the target's K/V
+        return [failed_check("assistant", f"cannot run against the converted target's K/V ({exc})", factor)]
+
+
+def _check_assistant(source: Checkpoint, output: Checkpoint, kv_runs: dict[str, KvByType], *, device: torch.device,
+                     check: str, seed: int, seq_len: int, factor: float) -> list[LayerCheck]:
+    sides = _Sides(check)
+    spec_before = assistant_spec_from_config(source.config)
+    spec_after = assistant_spec_from_config(output.config)
+    generator = torch.Generator().manual_seed(seed + 20_000)
+    embeds = torch.randn(1, ASSISTANT_QUERIES, 2 * spec_before.backbone_hidden_size, generator=generator).to(device)
+    positions = torch.arange(seq_len - ASSISTANT_QUERIES, seq_len, device=device)
+    outputs = {}
+    for run, checkpoint, spec, dtype in (("truth", source, spec_before, sides.truth_dtype),
+                                         ("floor", source, spec_before, sides.check_dtype),
+                                         ("converted", output, spec_after, sides.check_dtype)):
+        weights = {name: _tensor(checkpoint, name, device).to(dtype) if ref.dtype not in ("I64", "I32") else
+                   _tensor(checkpoint, name, device) for name, ref in checkpoint.tensors.items()}
+        outputs[run] = assistant_forward(weights, spec=spec, inputs_embeds=embeds.to(dtype),
+                                         shared_kv=kv_runs[run], positions=positions)
+        del weights
+    return [judge(f"assistant {part}", getattr(outputs["truth"], part), getattr(outputs["floor"], part),
+                  getattr(outputs["converted"], part), factor) for part in ("hidden", "logits")]
+
+
+def numerical_checks(pairs: dict[str, tuple[Checkpoint, Checkpoint]], *, device: torch.device, dtype: str, seed: int,
+                     seq_len: int, factor: float, on_layer: Callable[[str], None]) -> list[LayerCheck]:
+    """Every numerical check the converted checkpoints allow (target layers, then the assistant)."""
+    checks: list[LayerCheck] = []
+    kv_runs = None
+    if ROLE_TARGET in pairs:
+        target_checks, kv_runs = check_target_layers(*pairs[ROLE_TARGET], device=device, check=dtype, seed=seed,
+                                                     seq_len=seq_len, factor=factor, on_layer=on_layer)
+        checks += target_checks
+    if ROLE_ASSISTANT in pairs:
+        source, output = pairs[ROLE_ASSISTANT]
+        if kv_runs is None or FULL not in kv_runs["truth"]:
+            kv_runs = synthetic_target_kv(source, output, device=device, check=dtype, seed=seed, seq_len=seq_len)
+        checks += check_assistant(source, output, kv_runs, device=device, check=dtype, seed=seed, seq_len=seq_len,
+                                  factor=factor)
+        on_layer("assistant")
+    return checks

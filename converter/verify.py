@@ -1,0 +1,270 @@
+"""`verify`: structural proof (every byte accounted for) then numerical proof (layer by layer) of a conversion.
+
+Structural: the output is re-planned from the source with the recorded layout, independently of what
+conversion.json claims; kept tensors must be byte-identical (sha256 while streaming), transformed ones
+bit-identical to the transform recomputed from the source; config, index and manifest must agree.
+Numerical: see numerics.py. The report is a frozen dataclass; the CLI maps `passed` to the exit code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import __version__
+from .errors import InputError, UsageError
+from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, parse_attention_name
+from .io.checkpoint import Checkpoint, read_checkpoint
+from .io.writer import SequentialReader
+from .layouts import get_layout
+from .pairing import check_pair
+from .pipeline import render_transform
+from .plan import TensorPlan
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One structural finding, located as precisely as possible."""
+
+    role: str
+    message: str
+    tensor: str | None = None
+    layer: int | None = None
+
+    def describe(self) -> str:
+        where = f"{self.role} layer {self.layer}" if self.layer is not None else self.role
+        return f"{where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class StructuralReport:
+    problems: tuple[Problem, ...]
+    tensors_checked: int
+    copied: int
+    transformed: int
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """Numerical comparison of one block: converted vs original, against the original's own precision noise."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+    cosine: float
+    noise_floor: float
+    factor: float
+    passed: bool
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    passed: bool
+    structural: StructuralReport
+    layers: tuple[LayerCheck, ...]
+    device: str
+    dtype: str
+    seed: int
+    seq_len: int
+    tolerance_factor: float
+    wall_seconds: float
+    first_failure: str | None
+    versions: dict[str, str | None] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        document = asdict(self)
+        document["structural"] = {"passed": self.structural.passed,
+                                  "problems": [p.describe() for p in self.structural.problems],
+                                  "tensors_checked": self.structural.tensors_checked,
+                                  "copied": self.structural.copied, "transformed": self.structural.transformed}
+        document.update(tool_version=__version__, torch=self.versions.get("torch"), cuda=self.versions.get("cuda"))
+        return document
+
+
+def _layer_of(checkpoint: Checkpoint, name: str) -> int | None:
+    parsed = parse_attention_name(name, checkpoint.spec.weight_prefix)
+    if parsed is not None:
+        return parsed.layer
+    marker = checkpoint.spec.weight_prefix + "layers."
+    if name.startswith(marker) and name[len(marker):].split(".")[0].isdigit():
+        return int(name[len(marker):].split(".")[0])
+    return None
+
+
+def check_structure(source: Checkpoint, output: Checkpoint, *, role: str,
+                    on_bytes: Callable[[int], None] = lambda n: None) -> tuple[list[Problem], int, int]:
+    """Every structural problem of one converted checkpoint; returns (problems, copied, transformed)."""
+    problems: list[Problem] = []
+    manifest = output.manifest
+    if not manifest or manifest.get("tool") != "gemma4-convert":
+        return [Problem(role, f"{output.path} has no conversion.json from gemma4-convert")], 0, 0
+    layout = get_layout(manifest.get("layout", ""))
+    expected = layout.plan(source)
+    planned = {t.name: t for t in expected.tensors}
+    actual = output.tensors
+    for name in sorted(planned.keys() - actual.keys()):
+        problems.append(Problem(role, f"{name} is missing from the output", name, _layer_of(source, name)))
+    for name in sorted(actual.keys() - planned.keys()):
+        problems.append(Problem(role, f"{name} is in the output but not in the plan", name, _layer_of(output, name)))
+    problems += _check_manifest(manifest, planned, role)
+    if dict(output.config) != dict(expected.config):
+        differing = sorted(_differing_keys(expected.config, output.config))
+        problems.append(Problem(role, f"config.json differs from what {layout.name} requires at {differing}"))
+    copied, transformed, byte_problems = _check_bytes(source, output, planned, role, on_bytes)
+    problems += byte_problems
+    return problems, copied, transformed
+
+
+def _differing_keys(expected: Any, actual: Any, prefix: str = "") -> list[str]:
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        keys = expected.keys() | actual.keys()
+        return [d for k in keys for d in _differing_keys(expected.get(k), actual.get(k), f"{prefix}{k}.")]
+    return [] if expected == actual else [prefix.rstrip(".")]
+
+
+def _check_manifest(manifest: dict, planned: dict[str, TensorPlan], role: str) -> list[Problem]:
+    records = {r.get("name"): r for r in manifest.get("tensors", [])}
+    problems = []
+    for name, tensor in planned.items():
+        record = records.get(name)
+        if record is None:
+            problems.append(Problem(role, f"conversion.json does not account for {name}", name))
+        elif (record.get("action"), record.get("source"), record.get("transform")) != \
+                (tensor.action, tensor.source.ref.name, tensor.transform):
+            problems.append(Problem(role, f"conversion.json records {name} as {record.get('action')} of "
+                                          f"{record.get('source')}, the layout says {tensor.action} of "
+                                          f"{tensor.source.ref.name}", name))
+    return problems
+
+
+def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, TensorPlan], role: str,
+                 on_bytes: Callable[[int], None]) -> tuple[int, int, list[Problem]]:
+    """Streams both sides once, in output order (which the plan keeps in source order)."""
+    problems: list[Problem] = []
+    copied = transformed = 0
+    source_readers = {shard.file: SequentialReader(shard.file) for shard in source.shards}
+    for shard in output.shards:
+        reader = SequentialReader(shard.file)
+        for ref in shard.tensors:
+            tensor = planned.get(ref.name)
+            if tensor is None:
+                continue
+            if (ref.dtype, ref.shape) != (tensor.dtype, tensor.shape):
+                problems.append(Problem(role, f"{ref.name} is {ref.dtype}{list(ref.shape)}, expected "
+                                              f"{tensor.dtype}{list(tensor.shape)}", ref.name, _layer_of(output, ref.name)))
+                continue
+            got = hashlib.sha256(reader.read(ref.offset, ref.nbytes)).digest()
+            raw = source_readers[tensor.source.ref.file].read(tensor.source.offset, tensor.source.nbytes)
+            want = hashlib.sha256(raw if tensor.is_copy else render_transform(tensor, raw)).digest()
+            copied, transformed = copied + tensor.is_copy, transformed + (not tensor.is_copy)
+            if got != want:
+                what = "bytes differ from the source" if tensor.is_copy else \
+                    f"bytes differ from {tensor.transform} of {tensor.source.ref.name}"
+                problems.append(Problem(role, f"{ref.name}: {what}", ref.name, _layer_of(output, ref.name)))
+            on_bytes(tensor.source.nbytes)
+        reader.finish()
+    for reader in source_readers.values():
+        reader.finish()
+    return copied, transformed, problems
+
+
+def structural_report(pairs: dict[str, tuple[Checkpoint, Checkpoint]],
+                      on_bytes: Callable[[int], None] = lambda n: None) -> StructuralReport:
+    """Structure of every converted checkpoint, plus the pair check when both sides were converted."""
+    problems: list[Problem] = []
+    copied = transformed = 0
+    for role, (source, output) in pairs.items():
+        found, c, t = check_structure(source, output, role=role, on_bytes=on_bytes)
+        problems += found
+        copied, transformed = copied + c, transformed + t
+    if ROLE_TARGET in pairs and ROLE_ASSISTANT in pairs:
+        target, assistant = pairs[ROLE_TARGET][1], pairs[ROLE_ASSISTANT][1]
+        pair = check_pair(target.spec, assistant.spec, target_manifest=target.manifest,
+                          assistant_manifest=assistant.manifest)
+        problems += [Problem("pair", p) for p in pair.problems]
+    return StructuralReport(problems=tuple(problems), tensors_checked=copied + transformed, copied=copied,
+                            transformed=transformed)
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    converted: Path
+    target: Path | None = None
+    assistant: Path | None = None
+    single: Path | None = None
+    device: str = "auto"
+    dtype: str = "bf16"
+    seed: int = 0
+    seq_len: int = 64
+    tolerance_factor: float = 2.0
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda when available, else cpu; asking for cuda without one is a usage error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def load_pairs(request: VerifyRequest) -> dict[str, tuple[Checkpoint, Checkpoint]]:
+    """(source, output) checkpoints per role, from the request's paths."""
+    if request.single is not None:
+        if request.target or request.assistant:
+            raise UsageError("give either SRC DST or --target/--assistant --converted, not both")
+        source, output = read_checkpoint(request.single), read_checkpoint(request.converted)
+        return {source.spec.role: (source, output)}
+    pairs = {}
+    for role, path in ((ROLE_TARGET, request.target), (ROLE_ASSISTANT, request.assistant)):
+        if path is not None:
+            directory = request.converted / role
+            if not directory.is_dir():
+                raise InputError(f"{directory}: not found; was {request.converted} converted with --{role}?")
+            pairs[role] = (read_checkpoint(path), read_checkpoint(directory))
+    if not pairs:
+        raise UsageError("nothing to verify: give SRC DST, or --target/--assistant with --converted")
+    return pairs
+
+
+def versions(device: torch.device) -> dict[str, str | None]:
+    cuda = torch.version.cuda if device.type == "cuda" else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return {"torch": torch.__version__, "cuda": cuda, "device_name": name, "python": platform.python_version()}
+
+
+def verify(request: VerifyRequest, *, on_bytes: Callable[[int], None] = lambda n: None,
+           on_layer: Callable[[str], None] = lambda name: None) -> VerifyReport:
+    """Structural then numerical verification; never raises for a failed check (see VerifyReport.passed).
+
+    Raises:
+        UsageError / InputError: the inputs cannot be verified at all (missing directories, bad checkpoints).
+    """
+    from .numerics import numerical_checks  # torch-heavy; imported when used
+
+    started = time.perf_counter()
+    device = resolve_device(request.device)
+    pairs = load_pairs(request)
+    structural = structural_report(pairs, on_bytes=on_bytes)
+    layers = numerical_checks(pairs, device=device, dtype=request.dtype, seed=request.seed,
+                              seq_len=request.seq_len, factor=request.tolerance_factor, on_layer=on_layer)
+    first = structural.problems[0].describe() if structural.problems else next(
+        (f"{c.name}: {c.note}" if c.note else
+         f"{c.name}: error {c.max_abs:.3g} is {c.max_abs / max(c.noise_floor, 1e-30):.1f}x the noise floor "
+         f"{c.noise_floor:.3g} (allowed {c.factor}x)" for c in layers if not c.passed), None)
+    return VerifyReport(passed=first is None, structural=structural, layers=tuple(layers), device=str(device),
+                        dtype=request.dtype, seed=request.seed, seq_len=request.seq_len,
+                        tolerance_factor=request.tolerance_factor,
+                        wall_seconds=round(time.perf_counter() - started, 3), first_failure=first,
+                        versions=versions(device))
