@@ -26,8 +26,6 @@ demo:
 	$(VENV)/bin/gemma4-convert check-pair $(DEMO)/pad-global/target $(DEMO)/pad-global/assistant
 	$(VENV)/bin/gemma4-convert verify --target $(DEMO)/source/target --assistant $(DEMO)/source/assistant \
 		--converted $(DEMO)/pad-global
-	@echo; echo "serve the pad-global pair with stock vLLM 0.27:"
-	@echo "  vllm serve $(DEMO)/pad-global/target --speculative-config '{\"method\": \"mtp\", \"model\": \"$(DEMO)/pad-global/assistant\", \"num_speculative_tokens\": 4}' --attention-backend TRITON_ATTN"
 
 clean:
 	rm -rf $(DEMO) build *.egg-info .pytest_cache
