@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from . import __version__
 from .cost import KvCost, kv_costs
@@ -34,6 +34,8 @@ class ConvertRequest:
     single: Path | None = None
     force: bool = False
     max_shard_bytes: int | None = None
+    # role ("single", "target", "assistant") -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
+    origins: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,8 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
             directory = staging / item.subdir if item.subdir else staging
             directory.mkdir(parents=True, exist_ok=True)
             outputs[item.subdir] = _write_checkpoint(item, directory, paired=paired, warnings=plan.warnings,
-                                                     on_bytes=on_bytes)
+                                                     on_bytes=on_bytes,
+                                                     origin=plan.request.origins.get(item.subdir or "single"))
     return ConvertResult(plan=plan, output_files=outputs)
 
 
@@ -177,7 +180,7 @@ def render_transform(tensor: TensorPlan, raw: bytearray) -> memoryview:
 
 
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, paired: bool, warnings: tuple[str, ...],
-                      on_bytes: Callable[[int], None]) -> dict[str, str]:
+                      on_bytes: Callable[[int], None], origin: Mapping[str, str] | None = None) -> dict[str, str]:
     plan, source = item.plan, item.source
     readers = {shard.file: SequentialReader(shard.file) for shard in source.shards}
     files: dict[str, str] = {}
@@ -191,13 +194,14 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, paired: bool,
     for name in plan.side_files:
         source_hashes[name] = files[name] = copy_file(source.path / name, directory / name)
     write_json(directory / MANIFEST_NAME, manifest_document(item, source_hashes=source_hashes, output_hashes=files,
-                                                            paired=paired, warnings=warnings))
+                                                            paired=paired, warnings=warnings, origin=origin))
     return files
 
 
 def manifest_document(item: PlannedCheckpoint, *, source_hashes: dict[str, str], output_hashes: dict[str, str],
-                      paired: bool, warnings: tuple[str, ...]) -> dict[str, Any]:
-    """conversion.json: enough to audit, verify and cite the conversion."""
+                      paired: bool, warnings: tuple[str, ...],
+                      origin: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """conversion.json: enough to audit, verify and cite the conversion (origin: the Hub repo id and commit)."""
     plan, source = item.plan, item.source
     return {
         "tool": "gemma4-convert",
@@ -208,7 +212,7 @@ def manifest_document(item: PlannedCheckpoint, *, source_hashes: dict[str, str],
         "model_type": source.spec.model_type,
         "converted_with_pair": paired,
         "warnings": list(warnings),
-        "source": {"path": str(source.path.resolve()), "dialect": source.spec.dialect,
+        "source": {"path": str(source.path.resolve()), **dict(origin or {}), "dialect": source.spec.dialect,
                    "config": dict(source.config), "files": source_hashes},
         "output": {"files": output_hashes, "total_size": plan.total_size},
         "tensors": [_tensor_record(t) for t in plan.tensors],

@@ -29,9 +29,9 @@ def cli(debug: bool) -> None:
 
 def _register() -> None:
     # explicit imports: a verb that fails to import is a bug to see, not a verb to skip
-    from . import check_pair, convert, inspect, verify  # noqa: F401
+    from . import check_pair, convert, inspect, upload, verify  # noqa: F401
 
-    for module in (inspect, convert, check_pair, verify):
+    for module in (inspect, convert, check_pair, verify, upload):
         cli.add_command(module.command)
 
 

@@ -9,8 +9,33 @@ from typing import Any
 import click
 
 from ..cost import KvCost, human_bytes
+from ..hub import LocalSource, Purpose, make_api, resolve_source
 
 PATH = click.Path(path_type=Path, file_okay=True, dir_okay=True)
+
+
+def hub_api(ctx: click.Context | None) -> Any:
+    """The HfApi of this invocation: `obj={"hf_api": fake}` when tests inject one, else a real client."""
+    obj = ctx.find_root().obj if ctx is not None else None
+    return obj["hf_api"] if isinstance(obj, dict) and obj.get("hf_api") is not None else make_api()
+
+
+class SourceType(click.ParamType):
+    """A local checkpoint path or a Hub repo id `owner/name[@revision]`, resolved to a LocalSource (docs/HUB.md)."""
+
+    name = "PATH|REPO[@REV]"
+
+    def __init__(self, purpose: Purpose) -> None:
+        self.purpose = purpose
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> LocalSource:
+        if isinstance(value, LocalSource):
+            return value
+        return resolve_source(str(value), purpose=self.purpose, api=hub_api(ctx))
+
+
+SOURCE = SourceType("full")  # config, weights and side files
+SOURCE_HEADERS = SourceType("headers")  # config and shard headers only: inspect, check-pair
 
 
 def echo_json(document: Any) -> None:

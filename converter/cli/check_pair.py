@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import click
 
 from ..errors import VerificationFailed
-from ..io.checkpoint import read_checkpoint
+from ..hub import LocalSource, open_checkpoint
 from ..pairing import check_pair
-from ._common import PATH, echo_json
+from ._common import SOURCE_HEADERS, echo_json
 
 
 @click.command("check-pair")
-@click.argument("target", type=PATH)
-@click.argument("assistant", type=PATH)
+@click.argument("target", type=SOURCE_HEADERS)
+@click.argument("assistant", type=SOURCE_HEADERS)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def command(target: Path, assistant: Path, as_json: bool) -> None:
+def command(target: LocalSource, assistant: LocalSource, as_json: bool) -> None:
     """Check KV-sharing geometry, hidden sizes and recorded layouts of a target + assistant; exit 1 if they clash."""
-    t, a = read_checkpoint(target), read_checkpoint(assistant)
+    t, a = open_checkpoint(target), open_checkpoint(assistant)
     report = check_pair(t.spec, a.spec, target_manifest=t.manifest, assistant_manifest=a.manifest)
     if as_json:
         echo_json({"ok": report.ok, "problems": list(report.problems),
@@ -35,4 +34,4 @@ def command(target: Path, assistant: Path, as_json: bool) -> None:
         for problem in report.problems:
             click.echo(f"  - {problem}")
     if not report.ok:
-        raise VerificationFailed(f"{assistant} and {target} cannot serve together: {report.problems[0]}")
+        raise VerificationFailed(f"{assistant.label} and {target.label} cannot serve together: {report.problems[0]}")

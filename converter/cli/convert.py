@@ -9,10 +9,11 @@ from tqdm import tqdm
 
 from ..cost import human_bytes
 from ..errors import UsageError
+from ..hub import LocalSource
 from ..layouts import get_layout, layout_names
 from ..pipeline import ConversionPlan, ConvertRequest, execute, plan_conversion, serve_command
 from ..plan import parse_size
-from ._common import PATH, kv_cost_lines
+from ._common import PATH, SOURCE, kv_cost_lines
 
 
 def _size(ctx, param, value):
@@ -25,9 +26,11 @@ def _size(ctx, param, value):
 
 
 @click.command("convert")
-@click.argument("src", type=PATH, required=False)
-@click.option("--target", type=PATH, help="Gemma 4 target checkpoint directory (written to OUT/target).")
-@click.option("--assistant", type=PATH, help="MTP assistant checkpoint directory (written to OUT/assistant).")
+@click.argument("src", type=SOURCE, required=False)
+@click.option("--target", type=SOURCE, help="Gemma 4 target checkpoint directory or Hub repo OWNER/NAME[@REV] "
+              "(written to OUT/target).")
+@click.option("--assistant", type=SOURCE, help="MTP assistant checkpoint directory or Hub repo OWNER/NAME[@REV] "
+              "(written to OUT/assistant).")
 @click.option("--out", "out", type=PATH, required=True, help="Output directory (must not exist unless --force).")
 @click.option("--layout", type=click.Choice(layout_names()), required=True,
               help="per-layer: explicit keys, tensors unchanged (transformers<5.15). "
@@ -36,8 +39,8 @@ def _size(ctx, param, value):
 @click.option("--dry-run", is_flag=True, help="Print the plan and the cost; write nothing.")
 @click.option("--max-shard-size", callback=_size, default=None, metavar="SIZE",
               help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
-def command(src: Path | None, target: Path | None, assistant: Path | None, out: Path, layout: str, force: bool,
-            dry_run: bool, max_shard_size: int | None) -> None:
+def command(src: LocalSource | None, target: LocalSource | None, assistant: LocalSource | None, out: Path, layout: str,
+            force: bool, dry_run: bool, max_shard_size: int | None) -> None:
     """Convert a target and/or assistant (or one checkpoint SRC) into OUT with the chosen layout.
 
     \b
@@ -45,8 +48,11 @@ def command(src: Path | None, target: Path | None, assistant: Path | None, out: 
       gemma4-convert convert --target T --assistant A --out DST --layout pad-global
       gemma4-convert convert SRC --out DST --layout per-layer
     """
-    request = ConvertRequest(out=out, layout=layout, target=target, assistant=assistant, single=src, force=force,
-                             max_shard_bytes=max_shard_size)
+    sources = {"single": src, "target": target, "assistant": assistant}
+    request = ConvertRequest(out=out, layout=layout, target=target and target.path,
+                             assistant=assistant and assistant.path, single=src and src.path, force=force,
+                             max_shard_bytes=max_shard_size,
+                             origins={role: s.origin() for role, s in sources.items() if s and s.origin()})
     plan = plan_conversion(request)
     _print_plan(plan, dry_run=dry_run)
     if dry_run:

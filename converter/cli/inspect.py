@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
 
 from ..cost import KvCost, human_bytes
-from ..io.checkpoint import read_checkpoint
+from ..hub import LocalSource, open_checkpoint
 from ..report import inspect_checkpoint, summarize_layers
-from ._common import PATH, echo_json, kv_cost_lines
+from ._common import SOURCE_HEADERS, echo_json, kv_cost_lines
 
 
 @click.command("inspect")
-@click.argument("src", type=PATH)
+@click.argument("src", type=SOURCE_HEADERS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (keys documented in README.md).")
-def command(src: Path, as_json: bool) -> None:
-    """Describe a checkpoint from config.json and safetensors headers only (no tensor data is read)."""
-    report = inspect_checkpoint(read_checkpoint(src))
+def command(src: LocalSource, as_json: bool) -> None:
+    """Describe a checkpoint from config.json and safetensors headers only (no tensor data is read).
+
+    SRC is a directory or a Hub repo id OWNER/NAME[@REVISION]; for a repo only config and headers are fetched.
+    """
+    report = inspect_checkpoint(open_checkpoint(src))
     if as_json:
         echo_json(report)
     else:

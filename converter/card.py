@@ -1,0 +1,204 @@
+"""The model card (README.md) an upload writes, rendered from conversion.json and verification.json (pure, no I/O).
+
+Front matter follows the Hub's model-card metadata (https://huggingface.co/docs/hub/model-cards): `base_model` is the
+source repo, `base_model_relation` one of "adapter", "merge", "quantized", "finetune". A re-layout is none of them
+exactly; "quantized" is the closest: the Hub files every same-function re-encoding of a base model (GGUF, MLX, ONNX,
+AWQ...) under it, and these weights compute what the base computes (verification.json measures it), while
+"finetune" (what the Hub infers for a safetensors repo left unlabelled) would claim training that never happened,
+"adapter" needs the base at load time and "merge" combines several parents. The prose says plainly that nothing was
+trained and no dtype changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import yaml
+
+from . import __version__
+from .cost import human_bytes, kv_costs
+from .errors import InputError, UnsupportedLayoutError
+from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
+from .layouts import get_layout
+from .pipeline import DEFAULT_SPECULATIVE_TOKENS
+
+BASE_MODEL_RELATION = "quantized"
+# Keys of the source card's front matter that still hold for the converted weights.
+CARRIED_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag")
+LAYOUT_WHY = {
+    "per-layer": (
+        "Stock vLLM 0.27 reads only the flat `head_dim`, `global_head_dim`, `num_key_value_heads` and "
+        "`num_global_key_value_heads` keys and knows nothing of `per_layer_config`. This checkpoint's config carries "
+        "exactly those keys and no `per_layer_config`; every tensor is a byte-identical copy of the source. It needs "
+        "**transformers<5.15** where vLLM runs: 5.15 and later rebuild `per_layer_config` from the flat keys and "
+        "raise `AmbiguousGlobalPerLayerAttributeError` on the target config before any weight is read."),
+    "pad-global": (
+        "Every layer has the global geometry (`head_dim` = `global_head_dim`, the same KV-head count everywhere), so "
+        "the config has no per-layer keys and vLLM 0.27 loads it under any transformers version. The sliding layers' "
+        "heads are padded exactly (interleaved per half, rows duplicated, norm weights and `o_proj` columns zero on "
+        "the copies: same outputs, nothing rescaled) and the global k_eq_v KV heads are replicated. The price is "
+        "KV-cache memory (below) and larger weights. The target and its assistant **must both** be pad-global: "
+        "mixing layouts computes garbage."),
+}
+
+
+def serve_line(*, target: str | None, assistant: str | None, layout: str) -> str:
+    """The `vllm serve` command for a pair (same format as pipeline.serve_command, with repo ids for paths)."""
+    target_ref = target or "<TARGET converted the same way>"
+    assistant_ref = assistant or "<ASSISTANT converted the same way>"
+    spec = ('{"method": "mtp", "model": "' + assistant_ref + f'", "num_speculative_tokens": '
+            f'{DEFAULT_SPECULATIVE_TOKENS}}}')
+    command = f"vllm serve {target_ref} --speculative-config '{spec}'"
+    if layout == "pad-global":
+        command += " --attention-backend TRITON_ATTN"
+    return command
+
+
+def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] | None, repo_id: str,
+                target_repo: str | None, assistant_repo: str | None, base_model: str | None,
+                source_front_matter: Mapping[str, Any] | None = None, source_card: bool = False) -> str:
+    """README.md for one converted checkpoint.
+
+    Args:
+        manifest: its conversion.json.
+        verification: its verification.json (None when uploaded with --no-verify and none exists).
+        repo_id: the repo this card goes to.
+        target_repo, assistant_repo: the pair's repos for the serve command (None: a placeholder).
+        base_model: the source's Hub repo id, if known.
+        source_front_matter: the source README's YAML front matter; license/language keys are carried over.
+        source_card: the source's README.md is uploaded beside the card as README.source.md.
+
+    Returns:
+        The card text: YAML front matter, then Markdown.
+    """
+    layout, role = str(manifest.get("layout")), str(manifest.get("role"))
+    sections = [
+        f"# {repo_id.split('/')[-1]}\n\n{_summary(manifest, role, base_model)}",
+        f"## Layout: {layout}\n\n{_layout_text(layout)}",
+        _serve_section(role, layout, repo_id, target_repo, assistant_repo),
+        f"## KV-cache cost\n\n{_kv_text(manifest, role, layout)}",
+        _verification_section(verification),
+        _provenance_section(manifest, verification, source_card=source_card),
+    ]
+    return _front_matter(manifest, base_model, source_front_matter) + "\n" + "\n\n".join(sections) + "\n"
+
+
+def _front_matter(manifest: Mapping[str, Any], base_model: str | None,
+                  source_front_matter: Mapping[str, Any] | None) -> str:
+    meta: dict[str, Any] = {}
+    if base_model:
+        meta["base_model"] = base_model
+        meta["base_model_relation"] = BASE_MODEL_RELATION
+    meta["library_name"] = "transformers"
+    for key in CARRIED_KEYS:
+        if source_front_matter and source_front_matter.get(key) is not None:
+            meta[key] = source_front_matter[key]
+    meta["tags"] = ["gemma4", "gemma4-convert", "vllm", "speculative-decoding", "mtp",
+                    f"layout-{manifest.get('layout')}"]
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"
+
+
+def _summary(manifest: Mapping[str, Any], role: str, base_model: str | None) -> str:
+    kind = "Gemma 4 target" if role == ROLE_TARGET else "Gemma 4 MTP assistant (draft model)"
+    source = manifest.get("source", {})
+    if base_model:
+        revision = source.get("revision") if source.get("repo_id") == base_model else None
+        origin = f"[{base_model}](https://huggingface.co/{base_model})" + (f" at commit `{revision}`" if revision else "")
+    else:
+        origin = f"a local checkpoint (`{str(source.get('path', '?')).rstrip('/').split('/')[-1]}`)"
+    actions: dict[str, int] = {}
+    for tensor in manifest.get("tensors", []):
+        actions[tensor.get("action", "?")] = actions.get(tensor.get("action", "?"), 0) + 1
+    counts = ", ".join(f"{n} {a}" for a, n in sorted(actions.items()))
+    return (f"{kind} `{manifest.get('model_type')}` from {origin}, re-laid out by gemma4-convert "
+            f"{manifest.get('version')} into the **{manifest.get('layout')}** layout so stock vLLM 0.27 loads it "
+            f"correctly. Nothing was trained and no dtype changed: tensors {counts}; "
+            f"{human_bytes(manifest.get('output', {}).get('total_size', 0))} of weights.")
+
+
+def _layout_text(layout: str) -> str:
+    try:
+        description = get_layout(layout).description
+    except UnsupportedLayoutError:  # a layout this version does not know only loses the one-line description
+        description = ""
+    why = LAYOUT_WHY.get(layout, "")
+    return "\n\n".join(part for part in (f"*{description}*" if description else "", why) if part)
+
+
+def _serve_section(role: str, layout: str, repo_id: str, target_repo: str | None, assistant_repo: str | None) -> str:
+    other_role = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET
+    other = assistant_repo if role == ROLE_TARGET else target_repo
+    partner = (f"Its {other_role} is [{other}](https://huggingface.co/{other}), converted the same way."
+               if other else f"Convert and upload its {other_role} with the same `--layout {layout}`.")
+    lines = [f"## Serve with vLLM 0.27\n\nThis repo is the **{role}**. {partner}\n",
+             "```bash", serve_line(target=target_repo, assistant=assistant_repo, layout=layout), "```"]
+    if layout == "per-layer":
+        lines.append("\nRun it with `pip install 'transformers<5.15'` in vLLM's environment.")
+    if layout == "pad-global":
+        lines.append("\n`--attention-backend TRITON_ATTN` keeps the kernel path the original heterogeneous "
+                     "geometry gets (vLLM picks FA4/TRITON_ATTN only when head sizes differ).")
+    return "\n".join(lines)
+
+
+def _kv_text(manifest: Mapping[str, Any], role: str, layout: str) -> str:
+    if role != ROLE_TARGET:
+        return "None of its own: every assistant layer reads the target's KV cache."
+    config = manifest.get("source", {}).get("config") or {}
+    try:
+        costs = kv_costs(read_spec(config, source="conversion.json source.config").attention)
+    except InputError:  # a manifest without a readable source config only loses this section
+        return "Not recorded (conversion.json has no readable source config)."
+    rows = ["| KV cache per token (bf16) | source | this checkpoint | ratio |", "|---|---:|---:|---:|"]
+    for cost in costs:
+        label = "every layer holds the full context" if cost.context is None else \
+            f"{cost.context // 1024}k context, sliding layers keep their window"
+        after = cost.after if layout == "pad-global" else cost.before
+        rows.append(f"| {label} | {human_bytes(cost.before)} | {human_bytes(after)} | "
+                    f"x{after / cost.before if cost.before else 1:.2f} |")
+    note = "pad-global widens the sliding layers' cache" if layout == "pad-global" else "the layout changes no geometry"
+    return "\n".join(rows) + f"\n\n({note}.)"
+
+
+def _verification_section(verification: Mapping[str, Any] | None) -> str:
+    if verification is None:
+        return ("## Verification\n\n**Not verified**: uploaded with `--no-verify`; run `gemma4-convert verify` on "
+                "a download before trusting it.")
+    v = verification
+    status = "PASSED" if v.get("passed") else "FAILED"
+    lines = ["## Verification", "",
+             f"**{status}** on `{v.get('device')}` ({v.get('dtype')}, torch {v.get('torch')}, CUDA "
+             f"{v.get('cuda') or 'none'}, seed {v.get('seed')}, {float(v.get('wall_seconds') or 0):.1f} s, "
+             f"gemma4-convert {v.get('tool_version')})."]
+    structural = v.get("structural") or {}
+    problems = structural.get("problems") or []
+    lines.append(f"\nStructural check (names, shapes, dtypes, config): "
+                 f"{'passed' if structural.get('passed') else 'FAILED'}" + ("." if not problems else ":"))
+    lines.extend(f"- {p}" for p in problems)
+    layers = v.get("layers") or []
+    if layers:
+        worst = min(layers, key=lambda r: float(r.get("cosine", 1.0)))
+        largest = max(layers, key=lambda r: float(r.get("factor", 0.0)))
+        failed = sum(1 for r in layers if not r.get("passed"))
+        lines.append(f"\nForward pass against the source, {len(layers)} checkpoints compared, {failed} failed; "
+                     f"lowest cosine {float(worst['cosine']):.6f} ({worst['name']}), largest error / noise floor "
+                     f"x{float(largest['factor']):.2f} ({largest['name']}).")
+        lines += ["", "<details><summary>Per-layer figures</summary>", "",
+                  "| layer | max abs | max rel | cosine | noise floor | factor | |", "|---|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {r.get('name')} | {float(r.get('max_abs', 0)):.3e} | {float(r.get('max_rel', 0)):.3e} | "
+                  f"{float(r.get('cosine', 0)):.6f} | {float(r.get('noise_floor', 0)):.3e} | "
+                  f"{float(r.get('factor', 0)):.2f} | {'ok' if r.get('passed') else 'FAIL'} |" for r in layers]
+        lines += ["", "</details>"]
+    if v.get("first_failure"):
+        lines.append(f"\nFirst failure: {v['first_failure']}")
+    return "\n".join(lines)
+
+
+def _provenance_section(manifest: Mapping[str, Any], verification: Mapping[str, Any] | None, *,
+                        source_card: bool) -> str:
+    files = ["`conversion.json` (every tensor's source, action and sha256)"]
+    if verification is not None:
+        files.append("`verification.json` (the figures above)")
+    if source_card:
+        files.append("`README.source.md` (the source's own model card, license terms included)")
+    return (f"## Provenance\n\nConverted {manifest.get('created')} by gemma4-convert {manifest.get('version')}; "
+            f"card written by gemma4-convert {__version__}. This repo also holds {', '.join(files)}.")

@@ -1,0 +1,68 @@
+"""`gemma4-convert upload DST [REPO_ID]`: push a verified conversion to the Hub with a generated model card."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..cost import human_bytes
+from ..hub import UploadPlan, UploadRequest, execute_upload, plan_upload
+from ._common import PATH, hub_api
+
+
+@click.command("upload")
+@click.argument("dst", type=PATH)
+@click.argument("repo_id", required=False)
+@click.option("--target-repo", metavar="OWNER/NAME", help="Repo for DST/target (a converted pair).")
+@click.option("--assistant-repo", metavar="OWNER/NAME", help="Repo for DST/assistant (a converted pair).")
+@click.option("--private", is_flag=True, help="Create missing repos as private (an existing repo keeps its setting).")
+@click.option("--revision", metavar="BRANCH", help="Commit to this branch (created from main if missing).")
+@click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing to it.")
+@click.option("--commit-message", metavar="M", help="Commit title (default names the layout and tool version).")
+@click.option("--dry-run", is_flag=True, help="Print files, sizes and the model card; contact nothing.")
+@click.option("--no-verify", is_flag=True, help="Upload even without a passing verification.json.")
+@click.option("--base-model", metavar="OWNER/NAME",
+              help="Source repo for the card's base_model (default: the repo recorded in conversion.json).")
+@click.pass_context
+def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str | None, assistant_repo: str | None,
+            private: bool, revision: str | None, create_pr: bool, commit_message: str | None, dry_run: bool,
+            no_verify: bool, base_model: str | None) -> None:
+    """Upload a converted checkpoint (DST REPO_ID) or pair (DST --target-repo T --assistant-repo A).
+
+    \b
+    Refuses a DST without a passing verification.json (run `gemma4-convert verify` first) unless --no-verify.
+    Token: HF_TOKEN or `hf auth login`. An interrupted upload resumes when rerun.
+    Examples:
+      gemma4-convert upload DST --target-repo me/gemma-4-31B-it-pad-global \\
+          --assistant-repo me/gemma-4-31B-it-assistant-pad-global --dry-run
+      gemma4-convert upload DST/target me/gemma-4-31B-it-per-layer --private
+    """
+    repos = {role: repo for role, repo in (("single", repo_id), ("target", target_repo),
+                                            ("assistant", assistant_repo)) if repo}
+    request = UploadRequest(dst=dst, repos=repos, private=private, revision=revision, create_pr=create_pr,
+                            commit_message=commit_message, verify_required=not no_verify, base_model=base_model)
+    plan = plan_upload(request)
+    render_plan(plan, with_cards=dry_run)
+    if dry_run:
+        click.echo("dry run: nothing uploaded, the Hub was not contacted")
+        return
+    for result in execute_upload(plan, api=hub_api(ctx)):
+        url = result.pr_url or result.commit_url or f"https://huggingface.co/{result.repo_id}"
+        click.echo(f"uploaded {result.repo_id}: {url}")
+
+
+def render_plan(plan: UploadPlan, *, with_cards: bool) -> None:
+    request = plan.request
+    where = "a pull request against main" if request.create_pr else f"branch {request.revision or 'main'}"
+    for item in plan.items:
+        click.echo(f"{item.directory} ({item.kind}, {item.layout}) -> {item.repo_id} "
+                   f"({'private' if request.private else 'public'} if created; {where})")
+        for f in item.files:
+            note = "  (generated model card)" if f.local is None else ""
+            click.echo(f"  {f.path_in_repo:<40} {human_bytes(f.size):>10}{note}")
+        click.echo(f"  {len(item.files)} files, {human_bytes(item.total_size)}")
+    for item in plan.items if with_cards else ():
+        click.echo(f"--- {item.repo_id}/README.md ---")
+        click.echo(item.card, nl=False)
+        click.echo("--- end of card ---")
