@@ -141,7 +141,7 @@ def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
     model_type = config.get("model_type")
     if model_type in ASSISTANT_MODEL_TYPES:
         role, multimodal = ROLE_ASSISTANT, False
-    elif model_type in TARGET_MODEL_TYPES:
+    elif isinstance(model_type, str) and model_type in TARGET_MODEL_TYPES:
         role, multimodal = ROLE_TARGET, TARGET_MODEL_TYPES[model_type] == "multimodal"
     else:
         known = ", ".join((*TARGET_MODEL_TYPES, *ASSISTANT_MODEL_TYPES))
@@ -151,6 +151,9 @@ def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
         raise InputError(f"{source}: model_type {model_type!r} needs a `text_config` object")
     text = text_config_of(config)
     dialect, attention = _read_attention(text, role=role, source=source)
+    quantization = config.get("quantization_config") or text.get("quantization_config")
+    if quantization is not None and not isinstance(quantization, Mapping):
+        raise InputError(f"{source}: `quantization_config` must be an object, got {quantization!r}")
     return ModelSpec(
         role=role,
         model_type=model_type,
@@ -160,7 +163,7 @@ def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
         dialect=dialect,
         attention=attention,
         backbone_hidden_size=config.get("backbone_hidden_size"),
-        quantization=config.get("quantization_config") or text.get("quantization_config"),
+        quantization=quantization,
     )
 
 
@@ -175,7 +178,7 @@ def _read_layer_types(text: Mapping[str, Any], source: str) -> tuple[str, ...]:
     layer_types = text.get("layer_types")
     if not isinstance(layer_types, list) or not layer_types:
         raise InputError(f"{source}: text config has no `layer_types` list; cannot tell sliding from full layers")
-    unknown = sorted({t for t in layer_types if t not in (FULL, SLIDING)})
+    unknown = sorted({str(t) for t in layer_types if t not in (FULL, SLIDING)})  # str(): entries may be any JSON
     if unknown:
         raise InputError(f"{source}: unknown layer types {unknown} in `layer_types`")
     layers = _require_int(text, "num_hidden_layers", source) if "num_hidden_layers" in text else len(layer_types)
@@ -202,6 +205,9 @@ def _read_attention(text: Mapping[str, Any], *, role: str, source: str) -> tuple
         else:
             num_global_kv = text.get("num_global_key_value_heads") or num_kv
     shared = text.get("num_kv_shared_layers") or 0
+    if not isinstance(shared, int) or not 0 <= shared <= len(layer_types):
+        raise InputError(f"{source}: num_kv_shared_layers must be an integer in [0, {len(layer_types)}], "
+                         f"got {shared!r}")
     if role == ROLE_ASSISTANT:
         shared = len(layer_types)  # every assistant layer reads the target's KV (Gemma4AssistantConfig.__post_init__)
     window = text.get("sliding_window")
@@ -233,6 +239,8 @@ def _read_per_layer_config(per_layer: Any, layer_types: tuple[str, ...], head_di
             raise InputError(f"{source}: `per_layer_config[{key}]` overrides {sorted(unknown)}, "
                              f"which this tool cannot carry into flat keys (only {sorted(_PER_LAYER_OVERRIDES)})")
         value = (values.get("head_dim", head_dim), values.get("num_key_value_heads", num_kv))
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            raise InputError(f"{source}: `per_layer_config[{key}]` values must be positive integers, got {values!r}")
         overrides[layer_types[int(key)]].add(value)
     for index, layer_type in enumerate(layer_types):
         if str(index) not in per_layer and index not in per_layer:

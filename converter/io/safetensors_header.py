@@ -89,13 +89,15 @@ def read_header(path: Path) -> ShardHeader:
         raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over 4300 digits, deep nesting
         raise InputError(f"{path}: safetensors header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise InputError(f"{path}: safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise InputError(f"{path}: __metadata__ is not an object")
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
+        # safetensors itself rejects anything but string -> string, and the writer copies it into the output
+        raise InputError(f"{path}: __metadata__ is not an object of strings")
     data_start = 8 + length
     tensors = sorted((_tensor_ref(path, name, entry, data_start) for name, entry in header.items()),
                      key=lambda ref: ref.offset)
