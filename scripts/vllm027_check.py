@@ -8,7 +8,7 @@ Stages, in order (the name of the first one that fails is ``stage_failed``):
     vllm_config        VllmConfig(...)
     distributed_init   gloo, world size 1
     load_target        get_model(target)            stock vLLM loader
-    load_draft         get_model(draft)             stock vLLM loader
+    load_draft         get_model(draft)             stock vLLM loader (tried even when load_target raised)
     compare_target     every loaded parameter/buffer == the tensor the checkpoint implies
     compare_draft      same for the draft
     kv_sharing         each draft layer's (head_size, KV heads) == the target layer whose cache it reads
@@ -32,8 +32,8 @@ checkpoint alone, following vLLM 0.27.0's documented mapping, and compared bit f
 Runs INSIDE a vLLM venv (see scripts/vllm_envs.sh); it needs torch, safetensors, transformers and
 vllm only, never the converter package. No GPU kernel and no forward pass runs.
 
-Exit codes: 0 all checks pass; 1 a comparison or the KV-sharing check failed; 2 a stage raised;
-3 bad arguments.
+Exit codes: 0 all checks pass; 1 a comparison or the KV-sharing check failed; 2 a stage raised
+(``stage_failed`` is the first, ``checks_failed`` lists all); 3 bad arguments.
 
 usage: python scripts/vllm027_check.py --target DIR --assistant DIR [--json FILE]
 """
@@ -153,7 +153,9 @@ def _map_text_suffix(rel: str, names: set[str], ckpt_prefix: str, keqv: set[int]
         k_name = full.replace(".q_proj.", ".k_proj.")
         v_name = full.replace(".q_proj.", ".v_proj.")
         v_src = k_name if layer in keqv or v_name not in names else v_name
-        return rel.replace(".q_proj.", ".qkv_proj."), (full, k_name, v_src)
+        # A q-only layer (no k_proj) yields a q-sized expectation: the shape check reports it.
+        sources = tuple(n for n in (full, k_name, v_src) if n in names)
+        return rel.replace(".q_proj.", ".qkv_proj."), sources
     if re.search(r"\.self_attn\.[kv]_proj\.", rel) or ".mlp.up_proj." in rel:
         return None
     if ".mlp.gate_proj." in rel:
@@ -403,16 +405,19 @@ def run_stage(stage: str, fn: Callable[[], Any], log: Callable[[str], None]) -> 
 
 @dataclass
 class Loaded:
+    """What the stock loader produced. A model is None when its load stage raised (see errors)."""
+
     target_model: Any
     draft_model: Any
     target_text_config: Any
     draft_text_config: Any
     shim: dict[str, object]
+    errors: list[StageError]
 
 
-def build_and_load(args: argparse.Namespace, log: Callable[[str], None]) -> Loaded:
-    """import -> ModelConfig -> SpeculativeConfig -> VllmConfig -> get_model(target), get_model(draft)."""
-    shim = run_stage("import", lambda: _import_vllm(), log)
+def configure(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any, Any, dict[str, object]]:
+    """import -> ModelConfig -> SpeculativeConfig -> VllmConfig -> distributed init. Raises StageError."""
+    shim = run_stage("import", _import_vllm, log)
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -424,7 +429,6 @@ def build_and_load(args: argparse.Namespace, log: Callable[[str], None]) -> Load
         set_current_vllm_config,
     )
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.model_executor.model_loader import get_model
 
     target = str(args.target)
     tgt = run_stage(
@@ -455,18 +459,34 @@ def build_and_load(args: argparse.Namespace, log: Callable[[str], None]) -> Load
             ensure_model_parallel_initialized(1, 1)
 
     run_stage("distributed_init", init_dist, log)
+    log(f"      resolved method={spec.method!r} draft model_type={spec.draft_model_config.hf_config.model_type!r}")
+    return vcfg, spec, shim
+
+
+def load_models(args: argparse.Namespace, log: Callable[[str], None]) -> Loaded:
+    """Both get_model calls. The draft is loaded even when the target raised: they are independent."""
+    vcfg, spec, shim = configure(args, log)
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
 
     def load(**kw: Any) -> Any:
         with set_current_vllm_config(vcfg):
             return get_model(vllm_config=vcfg, **kw)
 
-    tm = run_stage("load_target", lambda: load(), log)
-    dm = run_stage(
-        "load_draft", lambda: load(model_config=spec.draft_model_config, load_config=spec.draft_load_config), log
-    )
-    log(f"      target class={type(tm).__name__} draft class={type(dm).__name__} method={spec.method!r}")
-    return Loaded(tm, dm, tgt.hf_config.get_text_config(), spec.draft_model_config.hf_config.get_text_config(),
-                  shim)
+    models: dict[str, Any] = {}
+    errors: list[StageError] = []
+    for stage, kw in (("load_target", {}),
+                      ("load_draft", {"model_config": spec.draft_model_config,
+                                      "load_config": spec.draft_load_config})):
+        try:
+            models[stage] = run_stage(stage, lambda kw=kw: load(**kw), log)
+        except StageError as err:
+            errors.append(err)
+            report_stage_error(err, log)
+    tm, dm = models.get("load_target"), models.get("load_draft")
+    log(f"      target class={type(tm).__name__} draft class={type(dm).__name__}")
+    return Loaded(tm, dm, vcfg.model_config.hf_config.get_text_config(),
+                  spec.draft_model_config.hf_config.get_text_config(), shim, errors)
 
 
 def _import_vllm() -> dict[str, object]:
@@ -547,33 +567,43 @@ def root_exception(exc: BaseException) -> BaseException:
     return exc
 
 
-def verify(loaded: Loaded, args: argparse.Namespace, result: dict[str, Any], log: Callable[[str], None]) -> int:
-    t_ckpt, d_ckpt = Checkpoint(args.target), Checkpoint(args.assistant)
-    t_cfg, d_cfg = read_config(args.target), read_config(args.assistant)
-    tm, dm = loaded.target_model, loaded.draft_model
-    t_exp = expected_target(t_ckpt.names(), t_cfg, multimodal_model=hasattr(tm, "language_model"),
-                            has_audio=getattr(tm, "audio_tower", None) is not None)
-    t_res = compare(tm, t_ckpt, t_exp)
-    d_res = compare(dm, d_ckpt, expected_draft(d_ckpt.names()))
-    result["target"], result["draft"] = t_res.summary(), d_res.summary()
+def report_stage_error(err: StageError, log: Callable[[str], None]) -> None:
+    exc = root_exception(err.exc)
+    log(f"[FAIL] {err.stage}: {type(exc).__name__}: {str(exc).strip()[:600]}")
+    log("".join(traceback.format_exception(err.exc, limit=-8)).rstrip())
 
+
+def verify(loaded: Loaded, args: argparse.Namespace, result: dict[str, Any], log: Callable[[str], None]) -> None:
+    """Compares whatever loaded; fills result["target"], ["draft"], ["kv_sharing"], ["checks_failed"]."""
+    t_cfg, d_cfg = read_config(args.target), read_config(args.assistant)
     t_types = layer_types_of(loaded.target_text_config, text_config_dict(t_cfg))
     d_types = layer_types_of(loaded.draft_text_config, text_config_dict(d_cfg))
-    t_geo, d_geo = attention_geometry(tm, t_types), attention_geometry(dm, d_types)
-    print_layer_table("target", t_geo, t_res, log)
-    print_layer_table("draft ", d_geo, d_res, log)
-    t_shared = int(text_config_dict(t_cfg).get("num_kv_shared_layers") or 0)
-    rows = check_kv_sharing(t_geo, d_geo, kv_sharing_pairs(t_types, t_shared, d_types))
-    result["kv_sharing"] = rows
-    print_kv_table(rows, log)
-
-    checks = (("compare_target", t_res.ok), ("compare_draft", d_res.ok),
-              ("kv_sharing", bool(rows) and all(r["ok"] for r in rows)))
-    result["checks_failed"] = [stage for stage, ok in checks if not ok]
-    if result["checks_failed"]:
-        result["stage_failed"] = result["checks_failed"][0]
-        return EXIT_MISMATCH
-    return EXIT_OK
+    failed = [err.stage for err in loaded.errors]
+    geo: dict[str, dict[int, AttnGeometry]] = {}
+    for side, model, types in (("target", loaded.target_model, t_types), ("draft", loaded.draft_model, d_types)):
+        if model is None:
+            continue
+        ckpt = Checkpoint(args.target if side == "target" else args.assistant)
+        if side == "target":
+            exp = expected_target(ckpt.names(), t_cfg, multimodal_model=hasattr(model, "language_model"),
+                                  has_audio=getattr(model, "audio_tower", None) is not None)
+        else:
+            exp = expected_draft(ckpt.names())
+        res = compare(model, ckpt, exp)
+        result[side] = res.summary()
+        geo[side] = attention_geometry(model, types)
+        print_layer_table(f"{side:6s}", geo[side], res, log)
+        if not res.ok:
+            failed.append(f"compare_{side}")
+    if len(geo) == 2:
+        t_shared = int(text_config_dict(t_cfg).get("num_kv_shared_layers") or 0)
+        rows = check_kv_sharing(geo["target"], geo["draft"], kv_sharing_pairs(t_types, t_shared, d_types))
+        result["kv_sharing"] = rows
+        print_kv_table(rows, log)
+        if not rows or not all(r["ok"] for r in rows):
+            failed.append("kv_sharing")
+    order = ("load_target", "load_draft", "compare_target", "compare_draft", "kv_sharing")
+    result["checks_failed"] = sorted(failed, key=order.index)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -600,20 +630,30 @@ def main(argv: list[str] | None = None) -> int:
     result["versions"] = versions()
     log = lambda line: print(line, flush=True)  # noqa: E731
     log(f"[env] {' '.join(f'{k}={v}' for k, v in result['versions'].items())}")
+    log(f"[env] target={args.target} assistant={args.assistant} dtype={args.dtype}")
     try:
-        loaded = build_and_load(args, log)
-        result["shim"] = loaded.shim
-        code = verify(loaded, args, result, log)
+        loaded = load_models(args, log)
     except StageError as err:
-        exc = root_exception(err.exc)
-        result.update(stage_failed=err.stage, error_type=type(exc).__name__, error=str(exc).strip())
-        log(f"[FAIL] {err.stage}: {type(exc).__name__}: {str(exc).strip()[:600]}")
-        traceback.print_exception(err.exc, limit=-8, file=sys.stdout)
+        report_stage_error(err, log)
+        errors = [err]
+    else:
+        result["shim"] = loaded.shim
+        errors = loaded.errors
+        verify(loaded, args, result, log)
+    if errors:
+        first = root_exception(errors[0].exc)
+        result.update(stage_failed=errors[0].stage, error_type=type(first).__name__, error=str(first).strip())
+        result["checks_failed"] = result["checks_failed"] or [errors[0].stage]
         code = EXIT_STAGE_RAISED
-    if result["stage_failed"] and code == EXIT_MISMATCH:
-        log(f"[FAIL] {result['stage_failed']}: loaded tensors or KV-sharing geometry differ from the checkpoint")
-    elif code == EXIT_OK:
+    elif result["checks_failed"]:
+        result["stage_failed"] = result["checks_failed"][0]
+        code = EXIT_MISMATCH
+    else:
+        code = EXIT_OK
+    if code == EXIT_OK:
         log("[PASS] every loaded tensor equals the checkpoint's; KV-sharing geometry consistent")
+    else:
+        log(f"[FAIL] stage {result['stage_failed']} (failed: {', '.join(result['checks_failed'])})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return code
