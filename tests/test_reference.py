@@ -264,3 +264,16 @@ def test_kv_heads_mismatch_raises():
     with pytest.raises(ValueError, match="key has 3 heads"):
         ref.attention_block(hidden, weights, num_heads=4, num_kv_heads=2, head_dim=4, k_eq_v=False,
                             rope_theta=1e4, kv=kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reference_runs_on_cuda():
+    """`verify` runs the reference on the GPU: same numbers as on CPU in fp32 (TF32 off, torch's default)."""
+    model = build_target(text_config(), seed=8, dtype=torch.float32)
+    weights, spec = target_weights(model), ref.text_spec_from_config(model.config.to_dict())
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
+    cpu = ref.text_forward(weights, spec=spec, input_ids=ids)
+    cuda = ref.text_forward({k: v.cuda() for k, v in weights.items()}, spec=spec, input_ids=ids.cuda())
+    assert ref.compare_outputs(cpu.logits, cuda.logits).max_rel <= 1e-4
+    assert ref.compare_outputs(cpu.shared_kv[F_][0], cuda.shared_kv[F_][0]).max_rel <= 1e-4
