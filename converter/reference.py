@@ -609,10 +609,13 @@ def assistant_masks(*, query_length: int, shared_kv: Mapping[str, tuple[torch.Te
     Returns:
         {layer type: boolean [1, 1, q, kv] or None (no masking)}.
     """
-    kv_length = shared_kv[SLIDING][0].shape[2]
-    q = torch.arange(query_length, device=device)[:, None]
-    flipped = (kv_length - 1 - torch.arange(kv_length, device=device))[None, :]
-    return {FULL: None, SLIDING: ((q - flipped).abs() <= sliding_window)[None, None]}
+    masks: dict[str, torch.Tensor | None] = {FULL: None}
+    if SLIDING in shared_kv:
+        kv_length = shared_kv[SLIDING][0].shape[2]
+        q = torch.arange(query_length, device=device)[:, None]
+        flipped = (kv_length - 1 - torch.arange(kv_length, device=device))[None, :]
+        masks[SLIDING] = ((q - flipped).abs() <= sliding_window)[None, None]
+    return masks
 
 
 def ordered_logits(hidden: torch.Tensor, weights: Weights, *, lm_head: torch.Tensor, num_centroids: int,
