@@ -40,10 +40,23 @@ def _load(piece: SourceSlice, device: torch.device) -> torch.Tensor:
     return decode(raw, dtype=DTYPES[piece.ref.dtype][0], shape=piece.shape).to(device)
 
 
+def dequantize(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp8 `X.weight` x `X.weight_scale` (per row [out, 1] or per tensor) -> fp32 `X.weight`; activation scales
+    (`input_scale`) are dropped: the check compares the weights' math, not vLLM's activation quantization."""
+    result = {}
+    for name, tensor in weights.items():
+        if name.endswith((".weight_scale", ".input_scale")):
+            continue
+        scale = weights.get(name + "_scale")
+        result[name] = tensor.float() * scale.float() if scale is not None else tensor
+    return result
+
+
 def layer_attention_weights(checkpoint: Checkpoint, layer: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """q/k/v/o/norm weights of one layer named like the reference expects (a fused qkv_proj arrives split)."""
-    return {f"{t.module}.{t.param}": _load(t.source, device)
-            for t in find_attention_tensors(checkpoint) if t.layer.index == layer}
+    """q/k/v/o/norm weights of one layer named like the reference expects (a fused qkv_proj arrives split,
+    fp8 weights arrive dequantized)."""
+    return dequantize({f"{t.module}.{t.param}": _load(t.source, device)
+                       for t in find_attention_tensors(checkpoint) if t.layer.index == layer})
 
 
 def _tensor(checkpoint: Checkpoint, name: str, device: torch.device) -> torch.Tensor:

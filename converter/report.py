@@ -14,6 +14,7 @@ from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec
 from .io.checkpoint import Checkpoint
 from .layouts import get_layout
 from .layouts.base import AttentionTensor, check_attention_tensors, expected_shape, find_attention_tensors
+from .quantization import weight_scheme
 
 REPORT_VERSION = 1
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
@@ -41,7 +42,7 @@ def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         "dtypes": dict(Counter(ref.dtype for ref in checkpoint.tensors.values())),
         "tensor_count": len(checkpoint.tensors),
         "total_bytes": checkpoint.total_bytes,
-        "quantization": dict(spec.quantization) if spec.quantization else None,
+        "quantization": _quantization(spec),
         "conversion": _conversion(checkpoint, recognized),
         "vllm_0_27": predict_vllm(spec, attention_tensors),
         "recommendation": _recommendation(spec, recognized),
@@ -89,11 +90,36 @@ def _layers(spec: ModelSpec, tensors: list[AttentionTensor]) -> list[dict[str, A
         shapes = {f"{t.module}.{t.param}": list(t.source.shape) for t in mine}
         mismatched = [f"{t.module}.{t.param}" for t in mine
                       if (want := expected_shape(t, spec.attention)) is not None and t.source.shape != want]
+        modules = {t.module for t in mine}
         rows.append({"index": layer.index, "type": layer.layer_type, "head_dim": layer.head_dim,
                      "kv_heads": layer.num_kv_heads,
-                     "attention": _attention_form(layer, {t.module for t in mine}, any(t.from_fused for t in mine)),
-                     "tensors": shapes, "shape_mismatches": mismatched})
+                     "attention": _attention_form(layer, modules, any(t.from_fused for t in mine)),
+                     "tensors": shapes, "shape_mismatches": mismatched,
+                     "quantization": _layer_quantization(spec, layer.index, modules)})
     return rows
+
+
+def _layer_quantization(spec: ModelSpec, index: int, modules: set[str]) -> dict[str, str] | None:
+    """Scheme of each attention projection present in the layer; null for an unquantized checkpoint."""
+    if not spec.quantization:
+        return None
+    result = {}
+    for module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if module in modules or (module != "o_proj" and "qkv_proj" in modules):
+            scheme = weight_scheme(spec.quantization, f"{spec.weight_prefix}layers.{index}.self_attn.{module}")
+            result[module] = scheme.describe() if scheme else "unquantized (ignored)"
+    return result
+
+
+def _quantization(spec: ModelSpec) -> dict[str, Any] | None:
+    config = spec.quantization
+    if not config:
+        return None
+    schemes = sorted({weight_scheme(config, f"{spec.weight_prefix}layers.{i}.self_attn.{m}").describe()
+                      for i in range(len(spec.attention.layer_types)) for m in ("q_proj", "k_proj", "v_proj", "o_proj")
+                      if weight_scheme(config, f"{spec.weight_prefix}layers.{i}.self_attn.{m}")})
+    return {"method": config.get("quant_method"), "format": config.get("format"),
+            "attention_schemes": schemes, "ignore": list(config.get("ignore") or []), "config": dict(config)}
 
 
 def _problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
@@ -167,7 +193,8 @@ def summarize_layers(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Collapses consecutive layers with identical geometry and attention form for the text table."""
     groups: list[dict[str, Any]] = []
     for row in layers:
-        key = (row["type"], row["head_dim"], row["kv_heads"], row["attention"], bool(row["shape_mismatches"]))
+        key = (row["type"], row["head_dim"], row["kv_heads"], row["attention"], bool(row["shape_mismatches"]),
+               str(row["quantization"]))
         if groups and groups[-1]["key"] == key and groups[-1]["last"] == row["index"] - 1:
             groups[-1]["last"] = row["index"]
         else:

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from .gemma4 import FULL, SLIDING
+from .quantization import weight_scheme
 
 S, F = SLIDING, FULL
 
@@ -299,6 +300,43 @@ def assistant_tensors(p: Preset) -> list[TensorSpec]:
     return specs
 
 
+FP8_MAX = 448.0  # float8_e4m3fn
+
+
+def fp8_quantization_config(strategy: str = "channel", ignore: tuple[str, ...] = ()) -> dict:
+    """A compressed-tensors FP8-dynamic quantization_config like RedHatAI/gemma-4-31B-it-FP8-dynamic's."""
+    return {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"type": "float", "num_bits": 8, "strategy": strategy, "symmetric": True, "dynamic": False,
+                        "group_size": None, "observer": "minmax"},
+            "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "symmetric": True,
+                                  "dynamic": True},
+            "output_activations": None}},
+        "ignore": ["lm_head", "re:.*vision_tower.*", "re:.*embed_vision.*", *ignore],
+        "kv_cache_scheme": None,
+    }
+
+
+def quantize_fp8(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, bf16 scale) as compressed-tensors stores them: scale [out, 1] per channel, [1] per tensor."""
+    values = weight.float()
+    amax = values.abs().amax(dim=1, keepdim=True) if strategy == "channel" else values.abs().amax().reshape(1)
+    scale = (amax / FP8_MAX).clamp(min=1e-12).to(torch.bfloat16)
+    quantized = (values / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def _quantized_module(spec: TensorSpec, quantization: dict | None) -> str | None:
+    if quantization is None or spec.kind != "linear" or not spec.name.endswith("_proj.weight"):
+        return None
+    module = spec.name[: -len(".weight")]
+    if ".layers." not in module or weight_scheme(quantization, module) is None:
+        return None
+    return module
+
+
 def _materialize(spec: TensorSpec, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     if spec.kind == "ordering":
         return torch.randperm(spec.shape[0], generator=generator)
@@ -340,8 +378,23 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _materialize_all(group: list[TensorSpec], dtype: torch.dtype, generator: torch.Generator,
+                     quantization: dict | None) -> dict[str, torch.Tensor]:
+    tensors = {}
+    strategy = None
+    if quantization:
+        strategy = quantization["config_groups"]["group_0"]["weights"]["strategy"]
+    for spec in group:
+        values = _materialize(spec, dtype, generator)
+        if _quantized_module(spec, quantization):
+            tensors[spec.name], tensors[spec.name + "_scale"] = quantize_fp8(values, strategy)
+        else:
+            tensors[spec.name] = values
+    return tensors
+
+
 def write_tensors(out_dir: Path, specs: list[TensorSpec], *, num_shards: int = 1, dtype: torch.dtype = torch.bfloat16,
-                  seed: int = 0) -> None:
+                  seed: int = 0, quantization: dict | None = None) -> None:
     """Writes seeded random tensors as safetensors shards (+ index when more than one), one shard in memory."""
     generator = torch.Generator().manual_seed(seed)
     groups = _split_into_shards(specs, num_shards, torch.finfo(dtype).bits // 8)
@@ -349,7 +402,7 @@ def write_tensors(out_dir: Path, specs: list[TensorSpec], *, num_shards: int = 1
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map, total = {}, 0
     for file_name, group in zip(names, groups):
-        tensors = {s.name: _materialize(s, dtype, generator) for s in group}
+        tensors = _materialize_all(group, dtype, generator, quantization)
         save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
         for name, tensor in tensors.items():
             weight_map[name] = file_name
@@ -362,7 +415,7 @@ def write_tensors(out_dir: Path, specs: list[TensorSpec], *, num_shards: int = 1
 
 def write_checkpoint(out_dir: str | Path, *, preset: Preset | str, role: str, dialect: str = "legacy",
                      fused_qkv: bool = False, num_shards: int = 1, multimodal: bool = True,
-                     dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
+                     dtype: torch.dtype = torch.bfloat16, seed: int = 0, quantization: dict | None = None) -> Path:
     """Writes one synthetic target or assistant checkpoint directory.
 
     Args:
@@ -375,6 +428,8 @@ def write_checkpoint(out_dir: str | Path, *, preset: Preset | str, role: str, di
         multimodal: target only: gemma4 wrapper (model.language_model.*, vision tower) vs gemma4_text.
         dtype: weight dtype.
         seed: RNG seed (the assistant uses seed + 1 by convention of write_pair).
+        quantization: target only: a compressed-tensors fp8 config (fp8_quantization_config); decoder-layer
+            projections not in its ignore list are written as float8_e4m3fn + weight_scale.
 
     Returns:
         The checkpoint directory.
@@ -385,24 +440,29 @@ def write_checkpoint(out_dir: str | Path, *, preset: Preset | str, role: str, di
     if role == "target":
         config = target_config(p, dialect=dialect, multimodal=multimodal)
         specs = target_tensors(p, multimodal=multimodal, fused_qkv=fused_qkv)
+        if quantization:
+            config["quantization_config"] = quantization
     elif role == "assistant":
         config, specs = assistant_config(p, dialect=dialect), assistant_tensors(p)
     else:
         raise ValueError(f"role must be 'target' or 'assistant', got {role!r}")
+    if quantization and role != "target":
+        raise ValueError("synthetic quantization is for targets only")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, text in SIDE_FILES.items():
         (out / name).write_text(text)
-    write_tensors(out, specs, num_shards=num_shards, dtype=dtype, seed=seed)
+    write_tensors(out, specs, num_shards=num_shards, dtype=dtype, seed=seed, quantization=quantization)
     return out
 
 
 def write_pair(out_dir: str | Path, *, preset: Preset | str, dialect: str = "legacy", fused_qkv: bool = False,
                num_shards: int = 1, multimodal: bool = True, dtype: torch.dtype = torch.bfloat16,
-               seed: int = 0) -> tuple[Path, Path]:
-    """Writes out_dir/target and out_dir/assistant sharing one preset; returns both paths."""
+               seed: int = 0, quantization: dict | None = None) -> tuple[Path, Path]:
+    """Writes out_dir/target and out_dir/assistant sharing one preset (quantization: target only); returns both."""
     out = Path(out_dir)
     target = write_checkpoint(out / "target", preset=preset, role="target", dialect=dialect, fused_qkv=fused_qkv,
-                              num_shards=num_shards, multimodal=multimodal, dtype=dtype, seed=seed)
+                              num_shards=num_shards, multimodal=multimodal, dtype=dtype, seed=seed,
+                              quantization=quantization)
     assistant = write_checkpoint(out / "assistant", preset=preset, role="assistant", dialect=dialect,
                                  dtype=dtype, seed=seed + 1)
     return target, assistant

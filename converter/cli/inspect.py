@@ -40,14 +40,23 @@ def render(report: dict[str, Any]) -> None:
         row = group["row"]
         span = str(group["first"]) if group["first"] == group["last"] else f"{group['first']}-{group['last']}"
         flag = "  SHAPE MISMATCH: " + ", ".join(row["shape_mismatches"]) if row["shape_mismatches"] else ""
-        click.echo(f"  {span:<9} {row['type']:<18} {row['head_dim']:>8} {row['kv_heads']:>4}  {row['attention']}{flag}")
+        quant = ""
+        if row["quantization"]:
+            by_scheme: dict[str, list[str]] = {}
+            for module, scheme in row["quantization"].items():
+                by_scheme.setdefault(scheme, []).append(module.split("_")[0])
+            quant = "  [" + "; ".join(f"{'/'.join(m)}: {s}" for s, m in by_scheme.items()) + "]"
+        click.echo(f"  {span:<9} {row['type']:<18} {row['head_dim']:>8} {row['kv_heads']:>4}  {row['attention']}"
+                   f"{quant}{flag}")
     for problem in report["problems"]:
         click.echo(f"  PROBLEM: {problem}")
     dtypes = ", ".join(f"{k} x{v}" for k, v in report["dtypes"].items())
     click.echo(f"  {len(report['shards'])} shard(s), {report['tensor_count']} tensors ({dtypes}), "
                f"{human_bytes(report['total_bytes'])}")
     if report["quantization"]:
-        click.echo(f"  quantization: {report['quantization'].get('quant_method', report['quantization'])}")
+        q = report["quantization"]
+        click.echo(f"  quantization: {q['method']} {q['format'] or ''}; attention schemes "
+                   f"{', '.join(q['attention_schemes']) or 'none'}; ignored: {', '.join(q['ignore']) or 'nothing'}")
     if report["conversion"]:
         c = report["conversion"]
         click.echo(f"  converted by gemma4-convert {c['tool_version']}: layout {c['layout']}"

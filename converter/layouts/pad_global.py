@@ -3,6 +3,9 @@
 Sliding layers grow d -> D with the interleaved-per-half duplicate placement; full k_eq_v layers
 replicate their global KV heads (FACTS.md section 4). The config becomes homogeneous, so no
 transformers version has a per-layer attribute to reject, and vLLM 0.27 builds every layer alike.
+
+Quantized (compressed-tensors fp8) weights move with their per-row scales, so dequantized values are
+exactly the originals; o_proj's zero columns are exact under any per-row scale; per-tensor scales stay.
 """
 
 from __future__ import annotations
@@ -10,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InputError
-from ..gemma4 import DIALECT_LEGACY, AttentionConfig, ModelSpec
+from ..gemma4 import DIALECT_LEGACY, AttentionConfig, LayerGeometry, ModelSpec
 from ..plan import TensorPlan
+from ..quantization import weight_scheme
 from .base import AttentionTensor, Layout, explicit_geometry, kept, register_layout, transformed
 
-_QUANTIZED_REFUSAL = ("pad-global does not support quantized checkpoints yet (quantization_config {method}); "
-                      "convert the bf16 checkpoint or use --layout per-layer")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @register_layout("pad-global")
@@ -31,29 +34,45 @@ class PadGlobalLayout(Layout):
         if a.k_eq_v and a.num_kv_heads % a.num_global_kv_heads:
             raise InputError(f"{source}: pad-global needs num_key_value_heads ({a.num_kv_heads}) to be a multiple "
                              f"of num_global_key_value_heads ({a.num_global_kv_heads})")
-        if spec.quantization:
-            raise InputError(f"{source}: " + _QUANTIZED_REFUSAL.format(
-                method=spec.quantization.get("quant_method", "unknown")))
+        for layer in a.layers:
+            for module in _changed_modules(layer, a):
+                self._check_quantization(spec, layer, module, source)
         return []
+
+    @staticmethod
+    def _check_quantization(spec: ModelSpec, layer: LayerGeometry, module: str, source: str) -> None:
+        name = f"{spec.weight_prefix}layers.{layer.index}.self_attn.{module}"
+        scheme = weight_scheme(spec.quantization, name)
+        columns = module == "o_proj"
+        if scheme is None or scheme.moves_exactly(columns=columns):
+            return
+        if scheme.is_fp8 and scheme.strategy in ("group", "block", "tensor_group"):
+            why = "its scale groups would straddle original and padding " + ("columns" if columns else "rows")
+        else:
+            why = "pad-global moves only fp8 weights with per-channel or per-tensor scales exactly"
+        raise InputError(f"{source}: {name} is quantized as {scheme.describe()}; {why}. Refusing to requantize: "
+                         "convert the bf16 checkpoint, or use --layout per-layer")
 
     def plan_attention(self, tensor: AttentionTensor, spec: ModelSpec, out_name: str) -> TensorPlan:
         a, layer, shape = spec.attention, tensor.layer, tensor.source.shape
         target = a.global_head_dim
+        rows = {"q_proj": a.num_heads * layer.head_dim}.get(tensor.module, layer.num_kv_heads * layer.head_dim)
+        per_row = bool(shape) and shape[0] == rows  # weight, bias, per-channel scale; not a per-tensor scale
         if layer.head_dim != target:
             ratio = target // layer.head_dim
-            if tensor.module in ("q_proj", "k_proj", "v_proj"):
+            if tensor.module in ("q_proj", "k_proj", "v_proj") and per_row:
                 heads = a.num_heads if tensor.module == "q_proj" else layer.num_kv_heads
                 return transformed(tensor, out_name, action="padded", transform="pad_head_rows",
                                    shape=(shape[0] * ratio, *shape[1:]), num_heads=heads,
                                    head_dim=layer.head_dim, target_head_dim=target)
-            if tensor.module in ("q_norm", "k_norm"):
+            if tensor.module in ("q_norm", "k_norm") and tensor.param == "weight":
                 return transformed(tensor, out_name, action="padded", transform="pad_head_norm",
                                    shape=(target,), head_dim=layer.head_dim, target_head_dim=target)
             if tensor.module == "o_proj" and tensor.param == "weight":
                 return transformed(tensor, out_name, action="padded-columns", transform="pad_head_columns",
                                    shape=(shape[0], shape[1] * ratio), num_heads=a.num_heads,
                                    head_dim=layer.head_dim, target_head_dim=target)
-        elif layer.num_kv_heads != a.num_kv_heads and tensor.module == "k_proj":
+        elif layer.num_kv_heads != a.num_kv_heads and tensor.module == "k_proj" and per_row:
             repeats = a.num_kv_heads // layer.num_kv_heads
             return transformed(tensor, out_name, action="replicated", transform="replicate_kv_heads",
                                shape=(shape[0] * repeats, *shape[1:]), num_heads=layer.num_kv_heads,
@@ -67,3 +86,13 @@ class PadGlobalLayout(Layout):
 
     def matches(self, spec: ModelSpec) -> bool:
         return spec.attention.is_homogeneous and spec.dialect == DIALECT_LEGACY
+
+
+def _changed_modules(layer: LayerGeometry, attention: AttentionConfig) -> tuple[str, ...]:
+    """The projections whose tensors pad-global rewrites in this layer."""
+    if layer.head_dim != attention.global_head_dim:
+        present = ("q_proj", "o_proj") if layer.kv_shared else PROJECTIONS
+        return tuple(m for m in present if m != "v_proj" or layer.has_v)
+    if layer.num_kv_heads != attention.num_kv_heads and layer.has_k:
+        return ("k_proj",)
+    return ()

@@ -1,0 +1,73 @@
+"""Which quantization scheme applies to which module, from a compressed-tensors `quantization_config` (pure).
+
+compressed-tensors matches `ignore` entries and group `targets` against module names: an exact name,
+a `re:` regular expression (re.match), or a class name such as "Linear" (every projection here is one).
+Anchors: compressed-tensors `quantization/lifecycle/apply.py` (ignore wins over targets) and
+`quantization/quant_args.py` (strategy: tensor | channel | group | block | token | tensor_group).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+COMPRESSED_TENSORS = "compressed-tensors"
+# Strategies whose scales are per output row or per tensor: padding/replicating rows and zero columns stay exact.
+ROW_EXACT_STRATEGIES = ("channel", "tensor")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How one module's weight is stored."""
+
+    method: str
+    format: str | None
+    type: str | None
+    num_bits: int | None
+    strategy: str | None
+    group_size: int | None
+
+    def describe(self) -> str:
+        if self.method != COMPRESSED_TENSORS:
+            return f"{self.method} ({self.format or 'unknown format'})"
+        size = f" {self.group_size}" if self.group_size else ""
+        return f"{self.type}{self.num_bits} {self.strategy}{size} ({self.format})"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.method == COMPRESSED_TENSORS and self.type == "float" and self.num_bits == 8
+
+    def moves_exactly(self, *, columns: bool) -> bool:
+        """Whether padding this weight keeps its dequantized values: rows move with their scale rows (per-channel,
+        per-tensor, or groups along the input dim); new zero columns only under per-row or per-tensor scales."""
+        allowed = ROW_EXACT_STRATEGIES if columns else (*ROW_EXACT_STRATEGIES, "group")
+        return self.is_fp8 and self.strategy in allowed
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name or pattern == "Linear" or name.endswith("." + pattern)
+
+
+def weight_scheme(config: Mapping[str, Any] | None, module: str) -> WeightScheme | None:
+    """The scheme of `module` (e.g. 'model.language_model.layers.0.self_attn.o_proj'); None when it stays unquantized.
+
+    A non-compressed-tensors config is reported as one opaque scheme for every module.
+    """
+    if not config:
+        return None
+    method = str(config.get("quant_method", "unknown"))
+    if method != COMPRESSED_TENSORS:
+        return WeightScheme(method=method, format=config.get("quant_type") or config.get("fmt"), type=None,
+                            num_bits=config.get("bits"), strategy=None, group_size=config.get("group_size"))
+    if any(_matches(pattern, module) for pattern in config.get("ignore") or []):
+        return None
+    for group in (config.get("config_groups") or {}).values():
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if weights and any(_matches(target, module) for target in group.get("targets") or []):
+            return WeightScheme(method=method, format=config.get("format"), type=weights.get("type"),
+                                num_bits=weights.get("num_bits"), strategy=weights.get("strategy"),
+                                group_size=weights.get("group_size"))
+    return None

@@ -1,0 +1,123 @@
+"""Compressed-tensors FP8 targets: exact under both layouts, verified; other schemes refused in one line."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import load_tensors, read_config
+from converter.synthetic import fp8_quantization_config, tiny_preset, write_pair
+from converter.transforms import pad_head_columns, pad_head_rows, replicate_kv_heads
+
+IGNORED = r"re:.*layers\.1\.self_attn\.o_proj"
+PREFIX = "model.language_model.layers."
+
+
+@pytest.fixture(scope="module", params=["channel", "tensor"])
+def fp8_pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"fp8-{request.param}")
+    write_pair(root / "src", preset=tiny_preset("31b"), num_shards=2,
+               quantization=fp8_quantization_config(request.param, ignore=(IGNORED,)))
+    return root / "src", request.param
+
+
+def _dequantized(tensors, module):
+    weight, scale = tensors[module + ".weight"], tensors.get(module + ".weight_scale")
+    return weight.float() * scale.float() if scale is not None else weight.float()
+
+
+def test_pad_global_moves_fp8_rows_with_their_scales(fp8_pair, tmp_path, run_cli):
+    src, strategy = fp8_pair
+    out = tmp_path / "out"
+    result = run_cli("convert", "--target", src / "target", "--assistant", src / "assistant", "--out", out,
+                     "--layout", "pad-global")
+    assert result.code == 0, result.err
+    source, output = load_tensors(src / "target"), load_tensors(out / "target")
+    assert read_config(out / "target")["quantization_config"] == read_config(src / "target")["quantization_config"]
+    for layer in range(5):  # sliding: rows padded with their per-channel scales; per-tensor scales unchanged
+        for module, heads in (("q_proj", 32), ("k_proj", 16), ("v_proj", 16)):
+            name = f"{PREFIX}{layer}.self_attn.{module}"
+            assert output[name + ".weight"].dtype == torch.float8_e4m3fn
+            want = pad_head_rows(_dequantized(source, name), num_heads=heads, head_dim=16, target_head_dim=32)
+            assert torch.equal(_dequantized(output, name), want), name
+            if strategy == "tensor":
+                assert torch.equal(output[name + ".weight_scale"], source[name + ".weight_scale"])
+        o_proj = f"{PREFIX}{layer}.self_attn.o_proj"
+        want = pad_head_columns(_dequantized(source, o_proj), num_heads=32, head_dim=16, target_head_dim=32)
+        assert torch.equal(_dequantized(output, o_proj), want)
+        assert torch.equal(output.get(o_proj + ".weight_scale", torch.empty(0)),
+                           source.get(o_proj + ".weight_scale", torch.empty(0)))
+    assert output[f"{PREFIX}1.self_attn.o_proj.weight"].dtype == torch.bfloat16  # ignored: stays bf16, padded
+    k_proj = f"{PREFIX}5.self_attn.k_proj"  # full k_eq_v: heads replicated together with their scales
+    want = replicate_kv_heads(_dequantized(source, k_proj), num_heads=4, head_dim=32, repeats=4)
+    assert torch.equal(_dequantized(output, k_proj), want)
+
+
+def test_fp8_pair_verifies(fp8_pair, tmp_path, run_cli):
+    src, _ = fp8_pair
+    out = tmp_path / "out"
+    assert run_cli("convert", "--target", src / "target", "--assistant", src / "assistant", "--out", out,
+                   "--layout", "pad-global").code == 0
+    result = run_cli("verify", "--target", src / "target", "--assistant", src / "assistant", "--converted", out,
+                     "--device", "cpu")
+    assert result.code == 0, result.out
+    report = json.loads((out / "verification.json").read_text())
+    assert report["structural"]["transformed"] > 0 and all(layer["passed"] for layer in report["layers"])
+
+
+def test_per_layer_keeps_fp8_untouched(fp8_pair, tmp_path, run_cli):
+    src, _ = fp8_pair
+    out = tmp_path / "out"
+    assert run_cli("convert", src / "target", "--out", out, "--layout", "per-layer").code == 0
+    assert read_config(out)["quantization_config"] == read_config(src / "target")["quantization_config"]
+    source, output = load_tensors(src / "target"), load_tensors(out)
+    assert source.keys() == output.keys()
+    assert all(torch.equal(output[k].view(torch.uint8) if output[k].dtype == torch.float8_e4m3fn else output[k],
+                           source[k].view(torch.uint8) if source[k].dtype == torch.float8_e4m3fn else source[k])
+               for k in source)
+
+
+def test_inspect_reports_the_scheme_per_layer(fp8_pair, run_cli):
+    src, strategy = fp8_pair
+    report = json.loads(run_cli("inspect", "--json", src / "target").out)
+    assert report["quantization"]["method"] == "compressed-tensors"
+    assert report["quantization"]["attention_schemes"] == [f"float8 {strategy} (float-quantized)"]
+    assert report["layers"][1]["quantization"]["o_proj"] == "unquantized (ignored)"
+    assert report["layers"][0]["quantization"]["q_proj"] == f"float8 {strategy} (float-quantized)"
+    assert "v_proj" not in report["layers"][5]["quantization"]  # k_eq_v layer
+
+
+def _with_quantization(src, tmp_path, config):
+    import shutil
+    target = tmp_path / "target"
+    shutil.copytree(src / "target", target)
+    document = read_config(target)
+    document["quantization_config"] = config
+    (target / "config.json").write_text(json.dumps(document))
+    return target
+
+
+GROUPED_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                   "type": "float", "num_bits": 8, "strategy": "group", "group_size": 128}}}}
+INT4_GROUP = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}}}}
+NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+             "type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16}}}}
+
+
+@pytest.mark.parametrize("config, words", [
+    (GROUPED_FP8, "float8 group 128 (float-quantized); its scale groups would straddle original and padding"),
+    (INT4_GROUP, "int4 group 128 (pack-quantized); pad-global moves only fp8 weights"),
+    (NVFP4, "float4 tensor_group 16 (nvfp4-pack-quantized)"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quantized as gptq"),
+])
+def test_unsupported_schemes_are_refused_in_one_line(fp8_pair, tmp_path, run_cli, config, words):
+    src, _ = fp8_pair
+    target = _with_quantization(src, tmp_path, config)
+    result = run_cli("convert", target, "--out", tmp_path / "out", "--layout", "pad-global")
+    assert result.code == 3 and words in result.err
+    assert len(result.err.strip().splitlines()) == 1 and "Traceback" not in result.err
+    assert not (tmp_path / "out").exists()
