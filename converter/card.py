@@ -160,37 +160,52 @@ def _kv_text(manifest: Mapping[str, Any], role: str, layout: str) -> str:
 
 
 def _verification_section(verification: Mapping[str, Any] | None) -> str:
+    """verification.json as written by `gemma4-convert verify`: `factor` is the allowed multiple of the noise floor."""
     if verification is None:
         return ("## Verification\n\n**Not verified**: uploaded with `--no-verify`; run `gemma4-convert verify` on "
                 "a download before trusting it.")
     v = verification
-    status = "PASSED" if v.get("passed") else "FAILED"
+    device_name = (v.get("versions") or {}).get("device_name")
+    device = f"{v.get('device')}" + (f" ({device_name})" if device_name and device_name != v.get("device") else "")
     lines = ["## Verification", "",
-             f"**{status}** on `{v.get('device')}` ({v.get('dtype')}, torch {v.get('torch')}, CUDA "
-             f"{v.get('cuda') or 'none'}, seed {v.get('seed')}, {float(v.get('wall_seconds') or 0):.1f} s, "
+             f"**{'PASSED' if v.get('passed') else 'FAILED'}** on `{device}` ({v.get('dtype')}, torch {v.get('torch')}, "
+             f"CUDA {v.get('cuda') or 'none'}, seed {v.get('seed')}, {float(v.get('wall_seconds') or 0):.1f} s, "
              f"gemma4-convert {v.get('tool_version')})."]
     structural = v.get("structural") or {}
+    counts = (f" ({structural['tensors_checked']} tensors: {structural.get('copied')} byte-identical copies, "
+              f"{structural.get('transformed')} recomputed transforms)" if "tensors_checked" in structural else "")
     problems = structural.get("problems") or []
-    lines.append(f"\nStructural check (names, shapes, dtypes, config): "
-                 f"{'passed' if structural.get('passed') else 'FAILED'}" + ("." if not problems else ":"))
+    lines.append(f"\nStructural check{counts}: {'passed' if structural.get('passed') else 'FAILED'}"
+                 + (":" if problems else "."))
     lines.extend(f"- {p}" for p in problems)
     layers = v.get("layers") or []
     if layers:
-        worst = min(layers, key=lambda r: float(r.get("cosine", 1.0)))
-        largest = max(layers, key=lambda r: float(r.get("factor", 0.0)))
-        failed = sum(1 for r in layers if not r.get("passed"))
-        lines.append(f"\nForward pass against the source, {len(layers)} checkpoints compared, {failed} failed; "
-                     f"lowest cosine {float(worst['cosine']):.6f} ({worst['name']}), largest error / noise floor "
-                     f"x{float(largest['factor']):.2f} ({largest['name']}).")
-        lines += ["", "<details><summary>Per-layer figures</summary>", "",
-                  "| layer | max abs | max rel | cosine | noise floor | factor | |", "|---|---:|---:|---:|---:|---:|---|"]
-        lines += [f"| {r.get('name')} | {float(r.get('max_abs', 0)):.3e} | {float(r.get('max_rel', 0)):.3e} | "
-                  f"{float(r.get('cosine', 0)):.6f} | {float(r.get('noise_floor', 0)):.3e} | "
-                  f"{float(r.get('factor', 0)):.2f} | {'ok' if r.get('passed') else 'FAIL'} |" for r in layers]
-        lines += ["", "</details>"]
+        lines += _layer_lines(layers)
     if v.get("first_failure"):
         lines.append(f"\nFirst failure: {v['first_failure']}")
     return "\n".join(lines)
+
+
+def _ratio(row: Mapping[str, Any]) -> float:
+    return float(row.get("max_abs", 0.0)) / max(float(row.get("noise_floor", 0.0)), 1e-30)
+
+
+def _layer_lines(layers: list[Mapping[str, Any]]) -> list[str]:
+    worst = min(layers, key=lambda r: float(r.get("cosine", 1.0)))
+    largest = max(layers, key=_ratio)
+    failed = sum(1 for r in layers if not r.get("passed"))
+    lines = [f"\nForward pass against the source, {len(layers)} comparisons, {failed} failed: lowest cosine "
+             f"{float(worst.get('cosine', 0)):.6f} ({worst.get('name')}); largest error x{_ratio(largest):.2f} the "
+             f"original's own noise floor ({largest.get('name')}; allowed x{float(largest.get('factor', 0)):g}).",
+             "", "<details><summary>Per-layer figures</summary>", "",
+             "| comparison | max abs | max rel | cosine | noise floor | error / floor | allowed | |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in layers:
+        note = f" {r['note']}" if r.get("note") else ""
+        lines.append(f"| {r.get('name')} | {float(r.get('max_abs', 0)):.3e} | {float(r.get('max_rel', 0)):.3e} | "
+                     f"{float(r.get('cosine', 0)):.6f} | {float(r.get('noise_floor', 0)):.3e} | x{_ratio(r):.2f} | "
+                     f"x{float(r.get('factor', 0)):g} | {'ok' if r.get('passed') else 'FAIL'}{note} |")
+    return lines + ["", "</details>"]
 
 
 def _provenance_section(manifest: Mapping[str, Any], verification: Mapping[str, Any] | None, *,

@@ -29,6 +29,7 @@ from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
     HFValidationError,
+    IncompleteSnapshotError,
     LocalEntryNotFoundError,
     LocalTokenNotFoundError,
     NotASafetensorsRepoError,
@@ -97,9 +98,12 @@ def describe_hub_error(exc: BaseException, *, subject: str) -> ConverterError | 
         return HubError(_describe_status(exc, subject))
     if isinstance(exc, LocalTokenNotFoundError):
         return HubError(f"{subject}: no Hugging Face token; set HF_TOKEN or run `hf auth login`")
+    if isinstance(exc, IncompleteSnapshotError):
+        return HubError(f"{subject}: its cached snapshot is incomplete and the Hub was not reached "
+                        f"({_offline_reason()}); rerun with network access to finish the download")
     if isinstance(exc, (RevisionResolutionError, LocalEntryNotFoundError)):
-        return HubError(f"{subject}: not in the local cache ({constants.HF_HUB_CACHE}) and the Hub was not reached "
-                        f"({_offline_reason()}); rerun with network access")
+        return HubError(f"{subject}: not a local path, and not in the Hub cache ({constants.HF_HUB_CACHE}) while the "
+                        f"Hub is not reachable ({_offline_reason()}); rerun with network access")
     if isinstance(exc, OfflineModeIsEnabled):
         return HubError(f"{subject}: HF_HUB_OFFLINE=1 but this needs the Hub; unset HF_HUB_OFFLINE")
     if isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError)):
@@ -226,7 +230,8 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
         sha = _resolve_sha(api, ref)
         patterns = SMALL_FILE_PATTERNS + (WEIGHT_PATTERNS if purpose == "full" else ())
         folder = Path(api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(patterns),
-                                            ignore_patterns=list(IGNORE_PATTERNS)))
+                                            ignore_patterns=list(IGNORE_PATTERNS),
+                                            local_files_only=constants.is_offline_mode()))
     source = LocalSource(path=folder, repo_id=ref.repo_id, revision=ref.revision or constants.DEFAULT_REVISION,
                          revision_sha=sha)
     missing = _missing_files(folder)
@@ -241,8 +246,9 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
 
 
 def _resolve_sha(api: Any, ref: RepoRef) -> str:
-    resolved = api.resolve_revision(ref.repo_id, revision=ref.revision)
-    return str(getattr(resolved, "resolved", resolved))
+    # local_files_only when offline: the same cache lookup without a "could not reach the Hub" warning per source
+    resolved = api.resolve_revision(ref.repo_id, revision=ref.revision, local_files_only=constants.is_offline_mode())
+    return str(resolved.resolved)  # str(ResolvedRevision) is the name asked for, not the sha
 
 
 def _missing_files(folder: Path) -> list[str]:
@@ -532,7 +538,7 @@ def execute_upload(plan: UploadPlan, *, api: Any) -> list[UploadResult]:
         HubError: token, permission, rate limit, network (one line; rerun to resume).
     """
     request = plan.request
-    with hub_errors("Hugging Face token"):
+    with hub_errors(plan.items[0].repo_id):  # the token check: fail before creating anything
         api.whoami()
     results = []
     for item in plan.items:

@@ -8,16 +8,17 @@ import click
 from tqdm import tqdm
 
 from ..errors import UsageError, VerificationFailed
+from ..hub import LocalSource, resolve_source
 from ..io.checkpoint import VERIFICATION_NAME
 from ..io.writer import write_json
 from ..verify import VerifyReport, VerifyRequest, load_pairs, verify
-from ._common import PATH
+from ._common import PATH, SOURCE, hub_api
 
 
 @click.command("verify")
 @click.argument("paths", nargs=-1, type=PATH)
-@click.option("--target", type=PATH, help="Original target checkpoint.")
-@click.option("--assistant", type=PATH, help="Original assistant checkpoint.")
+@click.option("--target", type=SOURCE, help="Original target checkpoint (directory or Hub repo OWNER/NAME[@REV]).")
+@click.option("--assistant", type=SOURCE, help="Original assistant checkpoint (directory or Hub repo).")
 @click.option("--converted", type=PATH, help="Output directory of `convert` (holding target/ and/or assistant/).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="auto uses CUDA when torch sees a GPU.")
@@ -30,7 +31,7 @@ from ._common import PATH
               help="Converted error allowed, as a multiple of the original model's own noise floor.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Also write the report here (it is always written as verification.json in the output).")
-def command(paths: tuple[Path, ...], target: Path | None, assistant: Path | None, converted: Path | None,
+def command(paths: tuple[Path, ...], target: LocalSource | None, assistant: LocalSource | None, converted: Path | None,
             device: str, dtype: str, seed: int, seq_len: int, tolerance_factor: float, json_path: Path | None) -> None:
     """Verify a conversion: every tensor accounted for, bits exact, and outputs equivalent layer by layer.
 
@@ -44,10 +45,13 @@ def command(paths: tuple[Path, ...], target: Path | None, assistant: Path | None
     if paths and converted:
         raise UsageError("give SRC DST or --converted, not both")
     single, out = (paths[0], paths[1]) if paths else (None, converted)
+    if single is not None:  # SRC may be a Hub repo id, fetched at one commit like --target/--assistant
+        single = resolve_source(str(single), purpose="full", api=hub_api(click.get_current_context())).path
     if out is None:
         raise UsageError("missing --converted DST")
-    request = VerifyRequest(converted=out, target=target, assistant=assistant, single=single, device=device,
-                            dtype=dtype, seed=seed, seq_len=seq_len, tolerance_factor=tolerance_factor)
+    request = VerifyRequest(converted=out, target=target and target.path, assistant=assistant and assistant.path,
+                            single=single, device=device, dtype=dtype, seed=seed, seq_len=seq_len,
+                            tolerance_factor=tolerance_factor)
     pairs = load_pairs(request)
     total = sum(output.total_bytes for _, output in pairs.values())
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="structure", disable=None,
