@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from converter.synthetic import PRESETS, scaled_preset, tiny_preset, write_checkpoint, write_pair  # noqa: E402
+from converter.synthetic import (PRESETS, fp8_quantization_config, scaled_preset, tiny_preset,  # noqa: E402
+                                 write_checkpoint, write_pair)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -37,18 +38,21 @@ def main() -> None:
     parser.add_argument("--text-only", action="store_true", help="target: gemma4_text instead of the gemma4 wrapper")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp8", choices=["channel", "tensor"], default=None,
+                        help="target: compressed-tensors FP8 weights with per-channel or per-tensor scales")
     args = parser.parse_args()
     if args.out.exists() and any(args.out.iterdir()):
         parser.error(f"{args.out} exists and is not empty")
     preset = tiny_preset(args.preset) if args.tiny else scaled_preset(
         args.preset, width_divisor=args.width_divisor, num_layers=args.num_layers, vocab_size=args.vocab_size)
     common = dict(preset=preset, dialect=args.dialect, dtype=DTYPES[args.dtype], seed=args.seed)
+    quantization = fp8_quantization_config(args.fp8) if args.fp8 else None
     if args.role == "pair":
         paths = write_pair(args.out, fused_qkv=args.fused_qkv, num_shards=args.num_shards,
-                           multimodal=not args.text_only, **common)
+                           multimodal=not args.text_only, quantization=quantization, **common)
     elif args.role == "target":
         paths = (write_checkpoint(args.out, role="target", fused_qkv=args.fused_qkv, num_shards=args.num_shards,
-                                  multimodal=not args.text_only, **common),)
+                                  multimodal=not args.text_only, quantization=quantization, **common),)
     else:
         paths = (write_checkpoint(args.out, role="assistant", num_shards=args.num_shards, **common),)
     for path in paths:
