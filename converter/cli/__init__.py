@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
 
 import click
@@ -35,10 +37,18 @@ def _register() -> None:
         cli.add_command(module.command)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps every error to one line and an exit code."""
     _register()
     debug = "--debug" in (argv if argv is not None else sys.argv) or bool(os.environ.get("GEMMA4_CONVERT_DEBUG"))
+    previous_sigterm = None
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (kill, timeout, a batch scheduler) cleans up like Ctrl-C instead of dying mid-write
+        previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cli.main(args=argv, prog_name="gemma4-convert", standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -59,4 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"error: unexpected {type(exc).__name__}: {first_line} (rerun with --debug for the traceback)",
                    err=True)
         sys.exit(EXIT_UNEXPECTED)
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
     sys.exit(0)

@@ -17,6 +17,7 @@ from .safetensors_header import encode_header
 
 BLOCK_BYTES = 16 * 1024 * 1024
 PARTIAL_SUFFIX = ".gemma4-convert-partial"
+RETIRED_SUFFIX = ".gemma4-convert-old"  # an output --force replaces, until the new one is in place
 
 
 class SequentialReader:
@@ -156,7 +157,9 @@ def partial_dir(destination: Path) -> Path:
 def staged_directory(destination: Path, *, replace: bool) -> Iterator[Path]:
     """Yields an empty staging dir; on success it becomes `destination` in one rename, on failure it is removed.
 
-    A staging dir left by a killed run is removed first, so a re-run starts clean.
+    A staging dir left by a killed run is removed first, so a re-run starts clean. With `replace`, the old
+    destination is renamed aside, the new one renamed in, then the old one deleted; if the second rename fails
+    the old one is renamed back.
     """
     staging = partial_dir(destination)
     with _output_errors(staging):
@@ -168,12 +171,18 @@ def staged_directory(destination: Path, *, replace: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    with _output_errors(destination):
-        if destination.exists() and replace:
-            retired = destination.parent / f".{destination.name}.gemma4-convert-old"
-            shutil.rmtree(retired, ignore_errors=True)
-            os.replace(destination, retired)
+    retired = destination.parent / f".{destination.name}{RETIRED_SUFFIX}"
+    moved_aside = False
+    try:
+        with _output_errors(destination):
+            if destination.exists() and replace:
+                shutil.rmtree(retired, ignore_errors=True)
+                os.replace(destination, retired)
+                moved_aside = True
             os.replace(staging, destination)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, destination)
+    except BaseException:
+        if moved_aside:
+            os.replace(retired, destination)  # the earlier output goes back; nothing half-swapped stays
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)  # also an earlier output that a run killed mid-swap left there
