@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import __version__
-from .cost import KvCost, kv_costs
+from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
 from .io.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
 from .io.safetensors_header import DTYPES
-from .io.writer import SequentialReader, copy_file, staged_directory, write_json, write_shard
+from .io.writer import SequentialReader, copy_file, make_directory, staged_directory, write_json, write_shard
 from .layouts import get_layout
 from .pairing import PairReport, check_pair
 from .plan import CheckpointPlan, TensorPlan, index_document
@@ -144,7 +144,8 @@ def _check_free_space(out: Path, needed: int) -> None:
         parent = parent.parent
     free = shutil.disk_usage(parent).free
     if free < needed:
-        raise OutputError(f"{parent}: {free / 1e9:.2f} GB free but the output needs {needed / 1e9:.2f} GB")
+        raise OutputError(f"{parent}: not enough space: {human_bytes(free)} free but the output needs "
+                          f"{human_bytes(needed)}")
 
 
 def _refuse_reconversion(checkpoint: Checkpoint) -> None:
@@ -166,7 +167,7 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
     with staged_directory(plan.request.out, replace=plan.request.force) as staging:
         for item in plan.items:
             directory = staging / item.subdir if item.subdir else staging
-            directory.mkdir(parents=True, exist_ok=True)
+            make_directory(directory)
             outputs[item.subdir] = _write_checkpoint(item, directory, paired=paired, warnings=plan.warnings,
                                                      on_bytes=on_bytes,
                                                      origin=plan.request.origins.get(item.subdir or "single"))

@@ -112,6 +112,12 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], reade
     return out.sha256.hexdigest()
 
 
+def make_directory(path: Path) -> None:
+    """mkdir -p; out of space or inodes is an OutputError like any other write."""
+    with _output_errors(path):
+        path.mkdir(parents=True, exist_ok=True)
+
+
 def write_json(path: Path, document: Any) -> str:
     """Writes pretty JSON; returns its sha256."""
     raw = (json.dumps(document, indent=2) + "\n").encode("utf-8")
