@@ -84,11 +84,13 @@ def render(report: VerifyReport) -> None:
     if len(s.problems) > 20:
         click.echo(f"  ... {len(s.problems) - 20} more")
     click.echo(f"numerics on {report.device} ({report.versions.get('device_name')}), {report.dtype}, seed {report.seed}"
-               f", {report.seq_len} tokens; pass when error <= {report.tolerance_factor}x the original's noise floor")
-    click.echo(f"  {'block':<36} {'max abs':>10} {'max rel':>10} {'cosine':>12} {'floor':>10} {'x floor':>8}")
+               f", {report.seq_len} tokens; pass when rel rms error <= {report.tolerance_factor}x the original's own "
+               f"(the floor)")
+    click.echo(f"  {'block':<36} {'max abs':>10} {'max rel':>10} {'rel rms':>10} {'cosine':>12} {'floor':>10} "
+               f"{'x floor':>8}")
     for c in report.layers:
-        click.echo(f"  {c.name:<36} {c.max_abs:>10.3g} {c.max_rel:>10.3g} {c.cosine:>12.9f} {c.noise_floor:>10.3g} "
-                   f"{c.max_abs / max(c.noise_floor, 1e-30):>8.2f}{'' if c.passed else '  FAIL'}"
+        click.echo(f"  {c.name:<36} {c.max_abs:>10.3g} {c.max_rel:>10.3g} {c.rel_rms:>10.3g} {c.cosine:>12.9f} "
+                   f"{c.noise_floor:>10.3g} {c.ratio:>8.2f}{'' if c.passed else '  FAIL'}"
                    + (f" ({c.note})" if c.note else ""))
     click.echo(f"{'PASSED' if report.passed else 'FAILED'} in {report.wall_seconds:.1f} s (torch "
                f"{report.versions.get('torch')}, cuda {report.versions.get('cuda')})")
