@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..errors import OutputError
+from ..errors import InputError, OutputError
 from ..plan import ShardPlan, TensorPlan
 from .safetensors_header import encode_header
 
@@ -44,7 +44,7 @@ class SequentialReader:
         while remaining:
             block = self._handle.read(min(BLOCK_BYTES, remaining))
             if not block:
-                raise OutputError(f"{self.path}: ended {remaining} bytes early (file changed while converting?)")
+                raise InputError(f"{self.path}: ended {remaining} bytes early (file changed while converting?)")
             self._sha256.update(block)
             self._position += len(block)
             remaining -= len(block)
