@@ -187,7 +187,11 @@ def _verification_section(verification: Mapping[str, Any] | None) -> str:
 
 
 def _ratio(row: Mapping[str, Any]) -> float:
-    return float(row.get("max_abs", 0.0)) / max(float(row.get("noise_floor", 0.0)), 1e-30)
+    """error / noise floor as verify judged it: its `ratio` (rel_rms / floor), else recomputed from what is there."""
+    if row.get("ratio") is not None:
+        return float(row["ratio"])
+    error = row.get("rel_rms", row.get("max_abs", 0.0))
+    return float(error) / max(float(row.get("noise_floor", 0.0)), 1e-30)
 
 
 def _layer_lines(layers: list[Mapping[str, Any]]) -> list[str]:
@@ -198,12 +202,13 @@ def _layer_lines(layers: list[Mapping[str, Any]]) -> list[str]:
              f"{float(worst.get('cosine', 0)):.6f} ({worst.get('name')}); largest error x{_ratio(largest):.2f} the "
              f"original's own noise floor ({largest.get('name')}; allowed x{float(largest.get('factor', 0)):g}).",
              "", "<details><summary>Per-layer figures</summary>", "",
-             "| comparison | max abs | max rel | cosine | noise floor | error / floor | allowed | |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| comparison | max abs | max rel | rel rms | cosine | noise floor | error / floor | allowed | |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in layers:
         note = f" {r['note']}" if r.get("note") else ""
+        rel_rms = f"{float(r['rel_rms']):.3e}" if r.get("rel_rms") is not None else "-"
         lines.append(f"| {r.get('name')} | {float(r.get('max_abs', 0)):.3e} | {float(r.get('max_rel', 0)):.3e} | "
-                     f"{float(r.get('cosine', 0)):.6f} | {float(r.get('noise_floor', 0)):.3e} | x{_ratio(r):.2f} | "
+                     f"{rel_rms} | {float(r.get('cosine', 0)):.6f} | {float(r.get('noise_floor', 0)):.3e} | x{_ratio(r):.2f} | "
                      f"x{float(r.get('factor', 0)):g} | {'ok' if r.get('passed') else 'FAIL'}{note} |")
     return lines + ["", "</details>"]
 

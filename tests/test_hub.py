@@ -200,11 +200,12 @@ def http_error(cls: type[HfHubHTTPError], status: int) -> HfHubHTTPError:
 
 
 def verification_doc(*, passed: bool = True) -> dict[str, Any]:
-    """verification.json in the agreed format (`factor`: the allowed multiple of the noise floor)."""
-    layers = [{"name": f"target layer {i}", "max_abs": 1e-3 * (i + 1), "max_rel": 2e-3, "cosine": 0.99999 - i * 1e-6,
-               "noise_floor": 1e-3, "factor": 2.0, "passed": i < 2} for i in range(3)]
+    """verification.json as verify writes it (`factor`: allowed multiple of the noise floor; ratio = rel_rms / floor)."""
+    layers = [{"name": f"target layer {i}", "max_abs": 1e-3 * (i + 1), "max_rel": 2e-3, "rel_rms": 1e-3 * (i + 1),
+               "cosine": 0.99999 - i * 1e-6, "noise_floor": 1e-3, "ratio": float(i + 1), "factor": 2.0,
+               "passed": i < 2, "note": None} for i in range(3)]
     if passed:
-        layers[-1].update(max_abs=1.5e-3, passed=True)
+        layers[-1].update(rel_rms=1.5e-3, ratio=1.5, passed=True)
     return {"passed": passed, "device": "cuda", "dtype": "bf16", "torch": "2.13.0", "cuda": "13.0",
             "seed": 0, "wall_seconds": 12.5, "structural": {"passed": True, "problems": []}, "layers": layers,
             "first_failure": None if passed else "target layer 2: error 0.003 is 3.0x the noise floor",
@@ -416,7 +417,7 @@ def test_card_front_matter_serve_line_kv_cost_and_verification(converted):
         in body
     assert ("3 comparisons, 0 failed: lowest cosine 0.999988 (target layer 2); largest error x2.00 the original's own "
             "noise floor (target layer 1; allowed x2)") in body
-    assert "| target layer 0 | 1.000e-03 | 2.000e-03 | 0.999990 | 1.000e-03 | x1.00 | x2 | ok |" in body
+    assert "| target layer 0 | 1.000e-03 | 2.000e-03 | 1.000e-03 | 0.999990 | 1.000e-03 | x1.00 | x2 | ok |" in body
     assert "`README.source.md`" in body
 
 
