@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import InputError
+from .quantization import check_quantization_config
 
 TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text"}
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -154,6 +155,7 @@ def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
     quantization = config.get("quantization_config") or text.get("quantization_config")
     if quantization is not None and not isinstance(quantization, Mapping):
         raise InputError(f"{source}: `quantization_config` must be an object, got {quantization!r}")
+    check_quantization_config(quantization, source=source)
     return ModelSpec(
         role=role,
         model_type=model_type,
@@ -191,7 +193,9 @@ def _read_attention(text: Mapping[str, Any], *, role: str, source: str) -> tuple
     layer_types = _read_layer_types(text, source)
     head_dim = _require_int(text, "head_dim", source)
     num_kv = _require_int(text, "num_key_value_heads", source)
-    k_eq_v = bool(text.get("attention_k_eq_v", False))
+    k_eq_v = text.get("attention_k_eq_v", False)
+    if not isinstance(k_eq_v, bool):
+        raise InputError(f"{source}: text config key 'attention_k_eq_v' must be true or false, got {k_eq_v!r}")
     has_flat = "global_head_dim" in text or "num_global_key_value_heads" in text
     per_layer = text.get("per_layer_config")
     if per_layer is not None:

@@ -136,6 +136,16 @@ def _check_output(request: ConvertRequest, sources: list[Path]) -> None:
         raise OutputError(f"{request.out} already exists; choose a new directory or pass --force to replace it")
     if request.out.exists() and not request.out.is_dir():
         raise OutputError(f"{request.out} exists and is not a directory")
+    if request.out.exists() and not _is_replaceable(request.out):
+        raise OutputError(f"refusing to --force-replace {request.out}: it is neither empty nor an output of "
+                          "gemma4-convert (no conversion.json); remove it yourself or choose a new directory")
+
+
+def _is_replaceable(directory: Path) -> bool:
+    """--force only ever replaces an empty directory or an earlier output of this tool (never, say, /data)."""
+    manifests = [directory / MANIFEST_NAME, directory / ROLE_TARGET / MANIFEST_NAME,
+                 directory / ROLE_ASSISTANT / MANIFEST_NAME]
+    return not any(directory.iterdir()) or any(path.is_file() for path in manifests)
 
 
 def _check_free_space(out: Path, needed: int) -> None:

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .errors import InputError
+
 COMPRESSED_TENSORS = "compressed-tensors"
 # Strategies whose scales are per output row or per tensor: padding/replicating rows and zero columns stay exact.
 ROW_EXACT_STRATEGIES = ("channel", "tensor")
@@ -43,6 +45,25 @@ class WeightScheme:
         per-tensor, or groups along the input dim); new zero columns only under per-row or per-tensor scales."""
         allowed = ROW_EXACT_STRATEGIES if columns else (*ROW_EXACT_STRATEGIES, "group")
         return self.is_fp8 and self.strategy in allowed
+
+
+def check_quantization_config(config: Any, *, source: str) -> None:
+    """Raises InputError naming the first malformed part of a compressed-tensors config (types only; other
+    methods are opaque and only reported)."""
+    if not isinstance(config, Mapping) or config.get("quant_method") != COMPRESSED_TENSORS:
+        return
+    ignore, groups = config.get("ignore") or [], config.get("config_groups") or {}
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise InputError(f"{source}: quantization_config.ignore must be a list of strings")
+    if not isinstance(groups, Mapping):
+        raise InputError(f"{source}: quantization_config.config_groups must be an object")
+    for name, group in groups.items():
+        targets = group.get("targets") if isinstance(group, Mapping) else None
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise InputError(f"{source}: quantization_config.config_groups.{name}.targets must be a list of strings")
+        if weights is not None and not isinstance(weights, Mapping):
+            raise InputError(f"{source}: quantization_config.config_groups.{name}.weights must be an object")
 
 
 def _matches(pattern: str, name: str) -> bool:

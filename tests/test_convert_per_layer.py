@@ -120,8 +120,16 @@ def test_existing_output_is_refused_then_replaced_with_force(pair, tmp_path, run
     (out / "keep.txt").write_text("mine")
     result = run_cli("convert", "--assistant", pair / "assistant", "--out", out, "--layout", "per-layer")
     assert result.code == 4 and "already exists" in result.err and (out / "keep.txt").exists()
+    # --force never deletes a directory this tool did not write
     result = run_cli("convert", "--assistant", pair / "assistant", "--out", out, "--layout", "per-layer", "--force")
-    assert result.code == 0 and not (out / "keep.txt").exists() and (out / "assistant" / "config.json").exists()
+    assert result.code == 4 and "refusing to --force-replace" in result.err and (out / "keep.txt").exists()
+    (out / "keep.txt").unlink()
+    assert run_cli("convert", "--assistant", pair / "assistant", "--out", out, "--layout", "per-layer").code == 4
+    first = run_cli("convert", "--assistant", pair / "assistant", "--out", out, "--layout", "per-layer", "--force")
+    assert first.code == 0 and (out / "assistant" / "conversion.json").exists()
+    again = run_cli("convert", "--assistant", pair / "assistant", "--out", out, "--layout", "pad-global", "--force")
+    assert again.code == 0
+    assert json.loads((out / "assistant" / "conversion.json").read_text())["layout"] == "pad-global"
 
 
 def test_reconverting_an_output_is_detected(pair, tmp_path, run_cli):

@@ -121,3 +121,16 @@ def test_unsupported_schemes_are_refused_in_one_line(fp8_pair, tmp_path, run_cli
     assert result.code == 3 and words in result.err
     assert len(result.err.strip().splitlines()) == 1 and "Traceback" not in result.err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("broken, words", [
+    ({**GROUPED_FP8, "config_groups": [GROUPED_FP8["config_groups"]["group_0"]]}, "config_groups must be an object"),
+    ({**GROUPED_FP8, "ignore": 3}, "ignore must be a list of strings"),
+    ({**GROUPED_FP8, "config_groups": {"g": {"targets": "Linear", "weights": {}}}}, "targets must be a list"),
+])
+def test_malformed_quantization_config_is_bad_input(fp8_pair, tmp_path, run_cli, broken, words):
+    src, _ = fp8_pair
+    target = _with_quantization(src, tmp_path, broken)
+    for args in (("inspect", target), ("convert", target, "--out", tmp_path / "out", "--layout", "pad-global")):
+        result = run_cli(*args)
+        assert result.code == 3 and words in result.err and len(result.err.strip().splitlines()) == 1

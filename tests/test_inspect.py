@@ -91,3 +91,14 @@ def test_shape_contradiction_is_reported(synthetic_cache, tmp_path, run_cli):
     convert = run_cli("convert", src, "--out", tmp_path / "o", "--layout", "per-layer")
     assert convert.code == 3 and "config and weights disagree" in convert.err
     assert len(convert.err.strip().splitlines()) == 1
+
+
+def test_non_boolean_k_eq_v_is_bad_input(synthetic_cache, tmp_path, run_cli):
+    import shutil
+    src = tmp_path / "t"
+    shutil.copytree(synthetic_cache("31b", "pair") / "target", src)
+    config = read_config(src)
+    config["text_config"]["attention_k_eq_v"] = "false"  # truthy string: would silently mean k_eq_v
+    (src / "config.json").write_text(json.dumps(config))
+    result = run_cli("inspect", src)
+    assert result.code == 3 and "'attention_k_eq_v' must be true or false" in result.err
