@@ -25,8 +25,8 @@ checkpoint alone, following vLLM 0.27.0's documented mapping, and compared bit f
   ``embed_vision`` (audio likewise);
 - draft (``models/gemma4_mtp.py`` ``Gemma4MTP.hf_to_vllm_mapper``): ``pre_projection.`` /
   ``post_projection.`` -> ``model.pre_projection.`` / ``model.post_projection.``;
-- MoE (26B-A4B): ``experts.gate_up_proj`` [E, 2I, H] -> ``moe.experts.w13_weight``,
-  ``experts.down_proj`` -> ``moe.experts.w2_weight``, ``router.per_expert_scale`` ->
+- MoE (26B-A4B): ``experts.gate_up_proj`` [E, 2I, H] -> ``moe.experts.routed_experts.w13_weight``,
+  ``experts.down_proj`` -> ``moe.experts.routed_experts.w2_weight``, ``router.per_expert_scale`` ->
   ``moe.per_expert_scale``.
 
 Runs INSIDE a vLLM venv (see scripts/vllm_envs.sh); it needs torch, safetensors, transformers and
@@ -163,9 +163,9 @@ def _map_text_suffix(rel: str, names: set[str], ckpt_prefix: str, keqv: set[int]
     if rel.endswith(".router.per_expert_scale"):
         return rel.replace(".router.per_expert_scale", ".moe.per_expert_scale"), (full,)
     if rel.endswith(".experts.gate_up_proj"):
-        return rel.replace(".experts.gate_up_proj", ".moe.experts.w13_weight"), (full,)
+        return rel.replace(".experts.gate_up_proj", ".moe.experts.routed_experts.w13_weight"), (full,)
     if rel.endswith(".experts.down_proj"):
-        return rel.replace(".experts.down_proj", ".moe.experts.w2_weight"), (full,)
+        return rel.replace(".experts.down_proj", ".moe.experts.routed_experts.w2_weight"), (full,)
     return rel, (full,)
 
 
@@ -235,7 +235,6 @@ class TensorResult:
     expected_shape: tuple[int, ...]
     loaded_shape: tuple[int, ...]
     loaded_dtype: str
-    equal: bool
 
 
 @dataclass
@@ -303,7 +302,7 @@ def _check(res: CompareResult, name: str, sources: tuple[str, ...], have: Any, w
     _tally(res, name, equal)
     if not equal:
         res.mismatches.append(
-            asdict(TensorResult(name, sources, tuple(want.shape), tuple(have.shape), str(have.dtype), equal))
+            asdict(TensorResult(name, sources, tuple(want.shape), tuple(have.shape), str(have.dtype)))
         )
 
 
