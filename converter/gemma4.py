@@ -51,10 +51,13 @@ class LayerGeometry:
 
     @property
     def has_k(self) -> bool:
+        """K tensors are required (a KV-shared layer reads another layer's cache; published E2B/E4B targets still
+        carry its unused k_proj/v_proj/k_norm, which transformers ignores on load and vLLM 0.27 loads)."""
         return not self.kv_shared
 
     @property
     def has_v(self) -> bool:
+        """A v_proj tensor is required."""
         return not self.kv_shared and not self.k_eq_v
 
 

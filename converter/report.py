@@ -75,7 +75,7 @@ def _geometry(spec: ModelSpec) -> dict[str, Any]:
 
 def _attention_form(layer, modules: set[str], fused: bool) -> str:
     if layer.kv_shared:
-        return "Q-only (KV shared)"
+        return "KV shared (own k/v unused)" if "k_proj" in modules or fused else "Q-only (KV shared)"
     if fused:
         return "fused qkv_proj"
     if layer.k_eq_v and "v_proj" not in modules:

@@ -269,10 +269,10 @@ def _vision_tensors(p: Preset) -> Iterator[TensorSpec]:
 def target_tensors(p: Preset, *, multimodal: bool, fused_qkv: bool = False) -> list[TensorSpec]:
     prefix = "model.language_model." if multimodal else "model."
     specs = [TensorSpec(prefix + "embed_tokens.weight", (p.vocab_size, p.hidden_size), "embedding")]
-    first_shared = len(p.layer_types) - p.num_kv_shared_layers
+    # KV-shared tail layers keep their (unused) k_proj/v_proj/k_norm, as published E2B/E4B checkpoints do
     for i, layer_type in enumerate(p.layer_types):
         specs += _decoder_layer(prefix, i, hidden=p.hidden_size, inter=p.intermediate_size, p=p,
-                                layer_type=layer_type, q_only=i >= first_shared, fused_qkv=fused_qkv,
+                                layer_type=layer_type, q_only=False, fused_qkv=fused_qkv,
                                 ple=p.per_layer_input_size)
     specs.append(TensorSpec(prefix + "norm.weight", (p.hidden_size,), "norm"))
     if p.per_layer_input_size:

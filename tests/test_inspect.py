@@ -48,7 +48,7 @@ def test_attention_forms_are_named(synthetic_cache, run_cli):
     assistant = json.loads(run_cli("inspect", "--json", synthetic_cache("31b", "pair") / "assistant").out)
     assert {r["attention"] for r in assistant["layers"]} == {"Q-only (KV shared)"}
     e2b = json.loads(run_cli("inspect", "--json", synthetic_cache("e2b", "pair", multimodal=False) / "target").out)
-    assert [r["attention"] for r in e2b["layers"]] == ["split q/k/v"] * 5 + ["Q-only (KV shared)"] * 5
+    assert [r["attention"] for r in e2b["layers"]] == ["split q/k/v"] * 5 + ["KV shared (own k/v unused)"] * 5
 
 
 def test_text_output_and_costs_of_the_real_31b_geometry(tmp_path, run_cli):

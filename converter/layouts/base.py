@@ -121,7 +121,7 @@ def transformed(tensor: AttentionTensor, out_name: str, *, action: str, transfor
 
 def _fused_slices(ref: TensorRef, layer: LayerGeometry, num_heads: int, source: str) -> Iterator[tuple[str, SourceSlice]]:
     rows = {"q_proj": num_heads * layer.head_dim, "k_proj": layer.num_kv_heads * layer.head_dim,
-            "v_proj": layer.num_kv_heads * layer.head_dim if layer.has_v else 0}
+            "v_proj": 0 if layer.k_eq_v else layer.num_kv_heads * layer.head_dim}
     total = sum(rows.values())
     if not ref.shape or ref.shape[0] != total:
         raise InputError(f"{source}: {ref.name} has shape {list(ref.shape)} but layer {layer.index} "
@@ -185,9 +185,9 @@ def check_attention_tensors(tensors: list[AttentionTensor], spec: ModelSpec, *, 
         missing = sorted(required - modules)
         if missing:
             raise InputError(f"{source}: layer {layer.index} ({layer.layer_type}) has no {', '.join(missing)} tensor")
-        if "v_proj" in modules and not layer.has_v:
-            why = "attention_k_eq_v (V is the K projection)" if layer.k_eq_v else "KV sharing"
-            raise InputError(f"{source}: layer {layer.index} has a v_proj tensor but the config says {why}")
+        if "v_proj" in modules and layer.k_eq_v:
+            raise InputError(f"{source}: layer {layer.index} has a v_proj tensor but the config says "
+                             "attention_k_eq_v (V is the K projection)")
 
 
 def explicit_geometry(attention: AttentionConfig, **overrides: Any) -> dict[str, Any]:

@@ -91,8 +91,7 @@ class PadGlobalLayout(Layout):
 def _changed_modules(layer: LayerGeometry, attention: AttentionConfig) -> tuple[str, ...]:
     """The projections whose tensors pad-global rewrites in this layer."""
     if layer.head_dim != attention.global_head_dim:
-        present = ("q_proj", "o_proj") if layer.kv_shared else PROJECTIONS
-        return tuple(m for m in present if m != "v_proj" or layer.has_v)
-    if layer.num_kv_heads != attention.num_kv_heads and layer.has_k:
+        return tuple(m for m in PROJECTIONS if m != "v_proj" or not layer.k_eq_v)
+    if layer.num_kv_heads != attention.num_kv_heads:
         return ("k_proj",)
     return ()
