@@ -10,7 +10,7 @@ install:
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: a CPU machine takes the local 2.13.0 CPU wheel instead of a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 
 test:
 	$(PY) -m pytest -q
