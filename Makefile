@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO ?= demo
 
-.PHONY: install test demo clean
+.PHONY: install test demo clean vllm-envs vllm-check
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -13,7 +13,23 @@ install:
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 
 test:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs
+
+# Cached vLLM 0.27.0 CPU envs (transformers 5.14.1 + newest 5.x) under ~/.cache/gemma4-convert/vllm-envs
+vllm-envs:
+	bash scripts/vllm_envs.sh
+
+# docs/VLLM_CHECK.md. With TARGET=DIR ASSISTANT=DIR: check that pair in every env. Without: the pytest matrix.
+vllm-check:
+	@if [ -n "$(TARGET)$(ASSISTANT)" ] && { [ -z "$(TARGET)" ] || [ -z "$(ASSISTANT)" ]; }; then \
+		echo "usage: make vllm-check [TARGET=DIR ASSISTANT=DIR]" >&2; exit 2; fi
+	@pythons="$$(bash scripts/vllm_envs.sh)" || exit 1; \
+	if [ -n "$(TARGET)" ]; then \
+		rc=0; for py in $$pythons; do $$py scripts/vllm027_check.py --target "$(TARGET)" --assistant "$(ASSISTANT)" || rc=1; done; exit $$rc; \
+	else \
+		GEMMA4_VLLM_PYTHONS="$$(echo $$pythons | tr ' ' ':')" GEMMA4_REQUIRE_VLLM=1 \
+			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm027.py; \
+	fi
 
 demo:
 	rm -rf $(DEMO)
