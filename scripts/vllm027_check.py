@@ -295,9 +295,17 @@ def compare(model: Any, ckpt: Checkpoint, exp: ExpectedSet) -> CompareResult:
 
 
 def _check(res: CompareResult, name: str, sources: tuple[str, ...], have: Any, want: Any) -> None:
-    """Bit equality in the loaded dtype (an exact upcast when the model runs in float32)."""
+    """Bit equality in the loaded dtype (an exact upcast when the model runs in float32).
+
+    fp8 weights: vLLM's compressed-tensors W8A8-FP8 scheme keeps the weight transposed after loading
+    (compressed_tensors_w8a8_fp8.py:160-165, `weight = weight.t()`), so the bits are compared as [in, out].
+    """
     import torch
 
+    if have.dtype == torch.float8_e4m3fn and have.dim() == 2 and tuple(have.shape) == tuple(want.shape)[::-1]:
+        have = have.t()
+    if have.dtype == torch.float8_e4m3fn:
+        have, want = have.contiguous().view(torch.uint8), want.to(torch.float8_e4m3fn).contiguous().view(torch.uint8)
     equal = tuple(have.shape) == tuple(want.shape) and torch.equal(have, want.to(have.dtype))
     _tally(res, name, equal)
     if not equal:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from converter.synthetic import tiny_preset, write_pair
+from converter.synthetic import fp8_quantization_config, tiny_preset, write_pair
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKER = REPO / "scripts" / "vllm027_check.py"
@@ -99,6 +99,7 @@ class Source:
     dialect: str
     multimodal: bool
     num_shards: int
+    fp8: bool = False
 
 
 SOURCES = {
@@ -108,6 +109,8 @@ SOURCES = {
     "31b-per-layer-config": Source("31b", "per_layer_config", multimodal=False, num_shards=1),
     # E2B ratios: KV-shared target tail, per-layer input embeddings, ordered-embedding assistant
     "e2b": Source("e2b", "legacy", multimodal=False, num_shards=1),
+    # compressed-tensors FP8 target (per-channel scales), like RedHatAI/gemma-4-31B-it-FP8-dynamic
+    "31b-fp8": Source("31b", "legacy", multimodal=False, num_shards=2, fp8=True),
 }
 VARIANTS = ("original", "per-layer", "pad-global")
 ENV_NAMES = ("5.14.1", "newest")
@@ -126,7 +129,7 @@ def pairs(tmp_path_factory) -> dict[tuple[str, str], Path]:
     for name, src in SOURCES.items():
         original = root / name / "original"
         write_pair(original, preset=tiny_preset(src.preset), dialect=src.dialect, multimodal=src.multimodal,
-                   num_shards=src.num_shards)
+                   num_shards=src.num_shards, quantization=fp8_quantization_config("channel") if src.fp8 else None)
         out[(name, "original")] = original
         for layout in ("per-layer", "pad-global"):
             dst = root / name / layout
