@@ -6,7 +6,9 @@ import errno
 import hashlib
 import json
 import os
+import queue
 import shutil
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -15,7 +17,7 @@ from ..errors import InputError, OutputError
 from ..plan import ShardPlan, TensorPlan
 from .safetensors_header import encode_header
 
-BLOCK_BYTES = 16 * 1024 * 1024
+BLOCK_BYTES = 1024 * 1024  # see docs/BENCHMARKS.md: 16 MiB writes cost several times the kernel time
 PARTIAL_SUFFIX = ".gemma4-convert-partial"
 RETIRED_SUFFIX = ".gemma4-convert-old"  # an output --force replaces, until the new one is in place
 
@@ -24,13 +26,21 @@ class SequentialReader:
     """Reads one source file front to back exactly once, hashing every byte (gaps and header included).
 
     The plan orders tensors by source offset, so each request starts at or after the previous one.
+    Reads go straight into caller buffers (`fill`, `read`) or one reused buffer (`blocks`), never into a
+    fresh bytes object per block.
     """
 
     def __init__(self, path: Path):
         self.path = path
-        self._handle = open(path, "rb")
+        self._handle = open(path, "rb", buffering=0)
         self._position = 0
         self._sha256 = hashlib.sha256()
+        self._scratch: memoryview | None = None
+
+    def _buffer(self) -> memoryview:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(BLOCK_BYTES))
+        return self._scratch
 
     def _advance_to(self, offset: int) -> None:
         if offset < self._position:
@@ -38,24 +48,41 @@ class SequentialReader:
         for _ in self.blocks(offset - self._position):
             pass
 
-    def blocks(self, nbytes: int) -> Iterator[bytes]:
-        """The next nbytes from the current position, in blocks."""
+    def _read_into(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            count = self._handle.readinto(view[done:])
+            if not count:
+                raise InputError(f"{self.path}: ended {len(view) - done} bytes early (file changed while converting?)")
+            done += count
+        self._sha256.update(view)  # releases the GIL: a prefetch thread hashes while the writer writes
+        self._position += len(view)
+
+    def fill(self, offset: int, view: memoryview) -> None:
+        """Reads len(view) bytes at `offset` (at or after the previous read) into `view`."""
+        self._advance_to(offset)
+        self._read_into(view)
+
+    def blocks(self, nbytes: int) -> Iterator[memoryview]:
+        """The next nbytes from the current position, in blocks; each block is valid until the next is taken."""
+        buffer = self._buffer()
         remaining = nbytes
         while remaining:
-            block = self._handle.read(min(BLOCK_BYTES, remaining))
-            if not block:
-                raise InputError(f"{self.path}: ended {remaining} bytes early (file changed while converting?)")
-            self._sha256.update(block)
-            self._position += len(block)
-            remaining -= len(block)
-            yield block
+            view = buffer[:min(BLOCK_BYTES, remaining)]
+            self._read_into(view)
+            remaining -= len(view)
+            yield view
 
-    def range_blocks(self, offset: int, nbytes: int) -> Iterator[bytes]:
+    def range_blocks(self, offset: int, nbytes: int) -> Iterator[memoryview]:
         self._advance_to(offset)
         return self.blocks(nbytes)
 
     def read(self, offset: int, nbytes: int) -> bytearray:
-        return bytearray().join(self.range_blocks(offset, nbytes))
+        data = bytearray(nbytes)
+        view = memoryview(data)
+        for start in range(0, nbytes, BLOCK_BYTES):
+            self.fill(offset + start, view[start:start + BLOCK_BYTES])
+        return data
 
     def finish(self) -> str:
         """Hashes the rest of the file and returns its sha256."""
@@ -80,29 +107,40 @@ class _HashingWriter:
         self.handle, self.sha256, self.written = handle, hashlib.sha256(), 0
 
     def write(self, data) -> None:
-        self.handle.write(data)
-        self.sha256.update(data)
-        self.written += len(data)
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), BLOCK_BYTES):  # a whole transformed tensor in one write() was slower
+            chunk = view[start:start + BLOCK_BYTES]
+            self.handle.write(chunk)
+            self.sha256.update(chunk)
+        self.written += len(view)
 
 
 def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], readers: dict[Path, SequentialReader],
                 render: Callable[[TensorPlan, bytearray], memoryview], on_bytes: Callable[[int], None]) -> str:
     """Writes one output shard; untouched tensors are streamed as raw bytes, the rest go through `render`.
 
+    A thread reads (and hashes) the sources a few blocks ahead while this one writes (and hashes) the output:
+    hashlib, readinto and write release the GIL, so the two sha256 passes run on two cores.
+
     Returns:
         sha256 of the written file.
     """
-    with _output_errors(path), open(path, "wb") as handle:
+    with _output_errors(path), open(path, "wb") as handle, _prefetch(shard, readers) as blocks:
         out = _HashingWriter(handle)
         out.write(shard_header(shard, metadata))
         for tensor in shard.tensors:
-            reader = readers[tensor.source.ref.file]
             if tensor.is_copy:
-                for block in reader.range_blocks(tensor.source.offset, tensor.source.nbytes):
+                for block in blocks(tensor.source.nbytes):
                     out.write(block)
                     on_bytes(len(block))
             else:
-                data = render(tensor, reader.read(tensor.source.offset, tensor.source.nbytes))
+                raw = bytearray(tensor.source.nbytes)
+                done = 0
+                for block in blocks(tensor.source.nbytes):
+                    raw[done:done + len(block)] = block
+                    done += len(block)
+                data = render(tensor, raw)
+                del raw
                 if len(data) != tensor.nbytes:
                     raise RuntimeError(f"{tensor.name}: transform produced {len(data)} bytes, planned {tensor.nbytes}")
                 out.write(data)
@@ -110,6 +148,58 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], reade
         handle.flush()
         os.fsync(handle.fileno())
     return out.sha256.hexdigest()
+
+
+PREFETCH_BLOCKS = 8  # buffers in flight between the reading thread and the writer
+
+
+@contextmanager
+def _prefetch(shard: ShardPlan,
+              readers: dict[Path, SequentialReader]) -> Iterator[Callable[[int], Iterator[memoryview]]]:
+    """Reads the shard's source ranges, in plan order, in a thread; yields `blocks(nbytes)` for the consumer.
+
+    `blocks(n)` yields the next n source bytes of the plan in blocks, each valid until the next is taken. At
+    most PREFETCH_BLOCKS buffers exist; an error in the thread is raised in the consumer; leaving the context
+    (normally or on error) stops and joins the thread.
+    """
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(PREFETCH_BLOCKS):
+        free.put(memoryview(bytearray(BLOCK_BYTES)))
+    filled: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for tensor in shard.tensors:
+                reader = readers[tensor.source.ref.file]
+                for start in range(0, tensor.source.nbytes, BLOCK_BYTES):
+                    buffer = free.get()
+                    if stop.is_set():
+                        return
+                    view = buffer[:min(BLOCK_BYTES, tensor.source.nbytes - start)]
+                    reader.fill(tensor.source.offset + start, view)
+                    filled.put((view, buffer))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            filled.put((exc, None))
+
+    def blocks(nbytes: int) -> Iterator[memoryview]:
+        for _ in range(0, nbytes, BLOCK_BYTES):
+            view, buffer = filled.get()
+            if buffer is None:
+                raise view
+            try:
+                yield view
+            finally:
+                free.put(buffer)
+
+    thread = threading.Thread(target=produce, name=f"read-ahead {shard.file_name}", daemon=True)
+    thread.start()
+    try:
+        yield blocks
+    finally:
+        stop.set()
+        free.put(memoryview(bytearray(0)))  # wakes a producer waiting for a buffer
+        thread.join()
 
 
 def make_directory(path: Path) -> None:
