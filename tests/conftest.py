@@ -63,6 +63,36 @@ def pair(synthetic_cache, tmp_path):
     return src
 
 
+@pytest.fixture
+def all_shared_kv_modes(monkeypatch):
+    """Lets transformers 5.23 build Gemma4AssistantForCausalLM (FACTS.md section 2).
+
+    `Gemma4TextConfig.kv_sharing_modes` looks for a producer layer of every type among the NON-shared layers and
+    raises when there is none; in an assistant every layer is shared (its K/V come from the target), so the
+    shipped code always raises. When all layers are shared we return "reuse" for each (Q-only layers reading
+    shared_kv_states), which is what the assistant forward needs; other configs keep the upstream answer.
+    """
+    from transformers import Gemma4TextConfig
+    upstream = Gemma4TextConfig.kv_sharing_modes
+
+    def kv_sharing_modes(self):
+        if self.num_kv_shared_layers == self.num_hidden_layers:
+            return ["reuse"] * self.num_hidden_layers
+        return upstream.fget(self)
+
+    monkeypatch.setattr(Gemma4TextConfig, "kv_sharing_modes", property(kv_sharing_modes))
+
+
+def cast_like_from_pretrained(model, dtype):
+    """Casts like from_pretrained(dtype=...): parameters and buffers, but RoPE inv_freq stays fp32."""
+    keep = {n: b.clone() for n, b in model.named_buffers() if "inv_freq" in n}
+    model.to(dtype)
+    for name, buffer in keep.items():
+        owner, attr = name.rsplit(".", 1)
+        setattr(model.get_submodule(owner), attr, buffer)
+    return model
+
+
 def load_tensors(directory: Path) -> dict:
     """Every tensor of a checkpoint directory (test sizes only)."""
     tensors = {}

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from conftest import cast_like_from_pretrained
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from transformers.models.gemma4_assistant.configuration_gemma4_assistant import Gemma4AssistantConfig
@@ -107,22 +109,6 @@ def _homogeneous(kwargs: dict) -> dict:
     """The geometry keys the converter writes for pad-global (FACTS.md section 4); RoPE is left alone."""
     return {**kwargs, "head_dim": kwargs["global_head_dim"],
             "num_global_key_value_heads": kwargs["num_key_value_heads"]}
-
-
-@pytest.fixture
-def all_shared_kv_modes(monkeypatch):
-    """transformers 5.23 cannot build Gemma4AssistantForCausalLM as shipped (FACTS.md section 2):
-    `Gemma4TextConfig.kv_sharing_modes` looks for a producer layer of each type among the non-shared layers and
-    raises when every layer is shared, which is always the case in an assistant (its K/V come from the target).
-    When all layers are shared we answer "reuse" for each (Q-only layers reading shared_kv_states)."""
-    upstream = Gemma4TextConfig.kv_sharing_modes
-
-    def kv_sharing_modes(self):
-        if self.num_kv_shared_layers == self.num_hidden_layers:
-            return ["reuse"] * self.num_hidden_layers
-        return upstream.fget(self)
-
-    monkeypatch.setattr(Gemma4TextConfig, "kv_sharing_modes", property(kv_sharing_modes))
 
 
 # -------------------------------------------------------------------------------------------- weights
@@ -275,12 +261,7 @@ def test_attention_block_equivalent(geometry, style, layer):
 def load(model: torch.nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.nn.Module:
     """Loads `state` and casts like from_pretrained(dtype=...): parameters and buffers, RoPE inv_freq stays fp32."""
     model.eval().load_state_dict(state, strict=True)
-    keep = {n: b.clone() for n, b in model.named_buffers() if "inv_freq" in n}
-    model.to(dtype)
-    for name, buffer in keep.items():
-        owner, attr = name.rsplit(".", 1)
-        setattr(model.get_submodule(owner), attr, buffer)
-    return model
+    return cast_like_from_pretrained(model, dtype)
 
 
 def build_target(config: Gemma4TextConfig, state: dict[str, torch.Tensor], dtype: torch.dtype):

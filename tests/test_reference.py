@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from conftest import cast_like_from_pretrained as to_dtype
 from transformers import Gemma4TextConfig
 from transformers.cache_utils import KVSharingDict
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -87,16 +89,6 @@ def randomize_(module: torch.nn.Module, *, seed: int) -> None:
             tensor.copy_(0.5 + torch.rand(tensor.shape, generator=gen))
 
 
-def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Casts like from_pretrained(dtype=...): parameters and buffers, but RoPE inv_freq stays fp32."""
-    keep = {n: b.clone() for n, b in model.named_buffers() if "inv_freq" in n}
-    model.to(dtype)
-    for name, buffer in keep.items():
-        owner, attr = name.rsplit(".", 1)
-        setattr(model.get_submodule(owner), attr, buffer)
-    return model
-
-
 def store_kv_of_producers(model: Gemma4ForCausalLM) -> None:
     """Make the last non-shared layer of each type publish its K/V into shared_kv_states.
 
@@ -106,25 +98,6 @@ def store_kv_of_producers(model: Gemma4ForCausalLM) -> None:
     spec = ref.text_spec_from_config(model.config.to_dict())
     for index in spec.kv_producers.values():
         model.model.layers[index].self_attn.store_full_length_kv = True
-
-
-@pytest.fixture
-def all_shared_kv_modes(monkeypatch):
-    """Lets transformers 5.23 build Gemma4AssistantForCausalLM (FACTS.md section 2).
-
-    `Gemma4TextConfig.kv_sharing_modes` looks for a producer layer of every type among the NON-shared layers and
-    raises when there is none; in an assistant every layer is shared (its K/V come from the target), so the
-    shipped code always raises. When all layers are shared we return "reuse" for each (Q-only layers reading
-    shared_kv_states), which is what the assistant forward needs; other configs keep the upstream answer.
-    """
-    upstream = Gemma4TextConfig.kv_sharing_modes
-
-    def kv_sharing_modes(self):
-        if self.num_kv_shared_layers == self.num_hidden_layers:
-            return ["reuse"] * self.num_hidden_layers
-        return upstream.fget(self)
-
-    monkeypatch.setattr(Gemma4TextConfig, "kv_sharing_modes", property(kv_sharing_modes))
 
 
 def build_target(config: Gemma4TextConfig, *, seed: int, dtype: torch.dtype) -> Gemma4ForCausalLM:

@@ -55,14 +55,9 @@ def test_multimodal_target_names_and_shapes_match_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["31b", "e2b"])
-def test_assistant_names_and_shapes_match_transformers(tmp_path, preset, monkeypatch):
-    from transformers import Gemma4TextConfig
+def test_assistant_names_and_shapes_match_transformers(tmp_path, preset, all_shared_kv_modes):
     from transformers.models.gemma4_assistant.configuration_gemma4_assistant import Gemma4AssistantConfig
     from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
-    # transformers 5.23 raises in kv_sharing_modes when every layer is KV-shared (FACTS.md section 2):
-    # every assistant layer reuses the target's cache, which is what this stand-in says.
-    monkeypatch.setattr(Gemma4TextConfig, "kv_sharing_modes",
-                        property(lambda self: ["reuse"] * self.num_hidden_layers))
     p = tiny_preset(preset)
     config = json.loads((write_checkpoint(tmp_path / "a", preset=p, role="assistant") / "config.json").read_text())
     hf_config = Gemma4AssistantConfig(
