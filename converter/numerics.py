@@ -90,19 +90,20 @@ def judge(name: str, truth: torch.Tensor, floor_run: torch.Tensor, converted_run
                       passed=error.rel_rms <= factor * noise)
 
 
-class _Sides:
-    """The dtypes of the three runs of every check: truth (original, one step more precise), floor (original in
-    the checked dtype) and converted (checked dtype)."""
+RUNS = ("truth", "floor", "converted")
 
-    def __init__(self, check: str):
-        self.truth_dtype, self.check_dtype = TRUTH_DTYPES[check], CHECK_DTYPES[check]
+
+def run_dtypes(check: str) -> dict[str, torch.dtype]:
+    """Every check has three runs: truth (original weights, one step more precise), floor (original weights in the
+    checked dtype: the model's own noise) and converted (converted weights in the checked dtype)."""
+    return {"truth": TRUTH_DTYPES[check], "floor": CHECK_DTYPES[check], "converted": CHECK_DTYPES[check]}
 
 
 def check_target_layers(source: Checkpoint, output: Checkpoint, *, device: torch.device, check: str, seed: int,
                         seq_len: int, factor: float, on_layer: Callable[[str], None]
                         ) -> tuple[list[LayerCheck], dict[str, KvByType]]:
     """One LayerCheck per target attention layer; returns the K/V the assistant will read, per run."""
-    sides = _Sides(check)
+    dtypes = run_dtypes(check)
     original = text_spec_from_config(text_config_of(source.config))
     converted = text_spec_from_config(text_config_of(output.config))
     prefix = source.spec.weight_prefix
@@ -116,14 +117,9 @@ def check_target_layers(source: Checkpoint, output: Checkpoint, *, device: torch
         weights = layer_attention_weights(source, index, device)
         converted_weights = layer_attention_weights(output, index, device)
         shared = before.layer_type if before.kv_shared else None
-        runs = {
-            "truth": _run_block(hidden, weights, before, sides.truth_dtype,
-                                kv_runs["truth"].get(shared) if shared else None),
-            "floor": _run_block(hidden, weights, before, sides.check_dtype,
-                                kv_runs["floor"].get(shared) if shared else None),
-            "converted": _run_block(hidden, converted_weights, after, sides.check_dtype,
-                                    kv_runs["converted"].get(shared) if shared else None),
-        }
+        runs = {run: _run_block(hidden, converted_weights if run == "converted" else weights,
+                                after if run == "converted" else before, dtypes[run],
+                                kv_runs[run].get(shared) if shared else None) for run in RUNS}
         if not before.kv_shared:
             for run, result in runs.items():
                 kv_runs[run][before.layer_type] = (result.key, result.value)
@@ -138,7 +134,7 @@ def synthetic_target_kv(source: Checkpoint, output: Checkpoint, *, device: torch
                         seq_len: int) -> dict[str, KvByType]:
     """K/V for an assistant verified without its target: random in the original geometry, and the same values
     placed the way a pad-global target would cache them (primary slots, zero copies for K; duplicates for V)."""
-    sides = _Sides(check)
+    dtypes = run_dtypes(check)
     before = assistant_spec_from_config(source.config).text.layers
     after = assistant_spec_from_config(output.config).text.layers
     kv_runs: dict[str, KvByType] = {"truth": {}, "floor": {}, "converted": {}}
@@ -150,9 +146,9 @@ def synthetic_target_kv(source: Checkpoint, output: Checkpoint, *, device: torch
         key = rms_norm(torch.randn(shape, generator=generator), None, eps=b.eps).to(device)
         value = rms_norm(torch.randn(shape, generator=generator), None, eps=b.eps).to(device)
         converted = (_as_converted(key, b, a, zero_copies=True), _as_converted(value, b, a, zero_copies=False))
-        kv_runs["truth"][layer_type] = (key.to(sides.truth_dtype), value.to(sides.truth_dtype))
-        kv_runs["floor"][layer_type] = (key.to(sides.check_dtype), value.to(sides.check_dtype))
-        kv_runs["converted"][layer_type] = (converted[0].to(sides.check_dtype), converted[1].to(sides.check_dtype))
+        for run in RUNS:
+            states = converted if run == "converted" else (key, value)
+            kv_runs[run][layer_type] = (states[0].to(dtypes[run]), states[1].to(dtypes[run]))
     return kv_runs
 
 
@@ -192,7 +188,7 @@ def check_assistant(source: Checkpoint, output: Checkpoint, kv_runs: dict[str, K
 
 def _check_assistant(source: Checkpoint, output: Checkpoint, kv_runs: dict[str, KvByType], *, device: torch.device,
                      check: str, seed: int, seq_len: int, factor: float) -> list[LayerCheck]:
-    sides = _Sides(check)
+    dtypes = run_dtypes(check)
     spec_before = assistant_spec_from_config(source.config)
     spec_after = assistant_spec_from_config(output.config)
     generator = torch.Generator().manual_seed(seed + 20_000)
@@ -200,9 +196,9 @@ def _check_assistant(source: Checkpoint, output: Checkpoint, kv_runs: dict[str, 
                          generator=generator).to(device)
     positions = torch.arange(seq_len - ASSISTANT_QUERIES, seq_len, device=device)
     outputs = {}
-    for run, checkpoint, spec, dtype in (("truth", source, spec_before, sides.truth_dtype),
-                                         ("floor", source, spec_before, sides.check_dtype),
-                                         ("converted", output, spec_after, sides.check_dtype)):
+    for run in RUNS:
+        checkpoint, spec = (output, spec_after) if run == "converted" else (source, spec_before)
+        dtype = dtypes[run]
         weights = {name: _tensor(checkpoint, name, device).to(dtype) if ref.dtype not in ("I64", "I32") else
                    _tensor(checkpoint, name, device) for name, ref in checkpoint.tensors.items()}
         outputs[run] = assistant_forward(weights, spec=spec, inputs_embeds=embeds.to(dtype),
