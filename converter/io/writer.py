@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
+import io
 import json
+import mmap
 import os
 import queue
 import shutil
@@ -22,74 +25,123 @@ PARTIAL_SUFFIX = ".gemma4-convert-partial"
 RETIRED_SUFFIX = ".gemma4-convert-old"  # an output --force replaces, until the new one is in place
 
 
+def page_aligned_buffer(nbytes: int) -> memoryview:
+    """A writable buffer starting on a page boundary (anonymous mmap).
+
+    A bytearray starts 16 bytes into a page; the kernel's copy into it from the page cache ran 2-3x slower
+    than into a page-aligned buffer on the bench machine (docs/BENCHMARKS.md).
+    """
+    return memoryview(mmap.mmap(-1, nbytes))
+
+
+READ_CHUNK_BYTES = 4 * 1024 * 1024  # one O_DIRECT read; a multiple of any logical block size
+
+
 class SequentialReader:
     """Reads one source file front to back exactly once, hashing every byte (gaps and header included).
 
-    The plan orders tensors by source offset, so each request starts at or after the previous one.
-    Reads go straight into caller buffers (`fill`, `read`) or one reused buffer (`blocks`), never into a
-    fresh bytes object per block.
+    The plan orders tensors by source offset, so each request starts at or after the previous one. The file
+    is read in READ_CHUNK_BYTES chunks with O_DIRECT where the filesystem allows it (else buffered, same
+    code): a stream read once gains nothing from the page cache, and on the bench machine the kernel's
+    page-cache copy cost several times the direct read itself (docs/BENCHMARKS.md). Requested ranges are
+    copied out of the chunk into the caller's buffer (`fill`, `read`).
     """
 
     def __init__(self, path: Path):
         self.path = path
-        self._handle = open(path, "rb", buffering=0)
-        self._position = 0
+        self._handle, self._direct = _open_unbuffered(path)
+        self._position = 0  # bytes handed out or skipped
         self._sha256 = hashlib.sha256()
-        self._scratch: memoryview | None = None
+        self._chunk: memoryview | None = None  # page-aligned, allocated on the first read
+        self._pending = memoryview(b"")  # read and hashed, not yet handed out
 
-    def _buffer(self) -> memoryview:
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(BLOCK_BYTES))
-        return self._scratch
+    def _refill(self) -> None:
+        if self._chunk is None:
+            self._chunk = page_aligned_buffer(READ_CHUNK_BYTES)
+        count = self._read_chunk(self._chunk)
+        if not count:
+            raise EOFError
+        self._pending = self._chunk[:count]
+        self._sha256.update(self._pending)  # releases the GIL: the read-ahead thread hashes while the writer writes
+
+    def _read_chunk(self, buffer: memoryview) -> int:
+        try:
+            return self._handle.readinto(buffer)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self._direct:
+                raise
+            # a filesystem that accepted O_DIRECT at open but not for this read: carry on buffered
+            flags = fcntl.fcntl(self._handle.fileno(), fcntl.F_GETFL)
+            fcntl.fcntl(self._handle.fileno(), fcntl.F_SETFL, flags & ~_O_DIRECT)
+            self._direct = False
+            return self._handle.readinto(buffer)
+
+    def _take(self, nbytes: int, into: memoryview | None) -> None:
+        """Hands out (copies into `into`) or skips the next nbytes."""
+        done = 0
+        while done < nbytes:
+            if not self._pending:
+                try:
+                    self._refill()
+                except EOFError:
+                    raise InputError(f"{self.path}: ended {nbytes - done} bytes early "
+                                     "(file changed while converting?)") from None
+            count = min(len(self._pending), nbytes - done)
+            if into is not None:
+                into[done:done + count] = self._pending[:count]
+            self._pending = self._pending[count:]
+            done += count
+        self._position += nbytes
 
     def _advance_to(self, offset: int) -> None:
         if offset < self._position:
             raise RuntimeError(f"{self.path}: read at {offset} after {self._position}; plan is not in source order")
-        for _ in self.blocks(offset - self._position):
-            pass
-
-    def _read_into(self, view: memoryview) -> None:
-        done = 0
-        while done < len(view):
-            count = self._handle.readinto(view[done:])
-            if not count:
-                raise InputError(f"{self.path}: ended {len(view) - done} bytes early (file changed while converting?)")
-            done += count
-        self._sha256.update(view)  # releases the GIL: a prefetch thread hashes while the writer writes
-        self._position += len(view)
+        self._take(offset - self._position, None)
 
     def fill(self, offset: int, view: memoryview) -> None:
         """Reads len(view) bytes at `offset` (at or after the previous read) into `view`."""
         self._advance_to(offset)
-        self._read_into(view)
-
-    def blocks(self, nbytes: int) -> Iterator[memoryview]:
-        """The next nbytes from the current position, in blocks; each block is valid until the next is taken."""
-        buffer = self._buffer()
-        remaining = nbytes
-        while remaining:
-            view = buffer[:min(BLOCK_BYTES, remaining)]
-            self._read_into(view)
-            remaining -= len(view)
-            yield view
+        self._take(len(view), view)
 
     def range_blocks(self, offset: int, nbytes: int) -> Iterator[memoryview]:
+        """nbytes at `offset` in blocks of at most BLOCK_BYTES; each block is valid until the next is taken."""
         self._advance_to(offset)
-        return self.blocks(nbytes)
+        buffer = page_aligned_buffer(min(BLOCK_BYTES, nbytes)) if nbytes else memoryview(b"")
+        for start in range(0, nbytes, BLOCK_BYTES):
+            view = buffer[:min(BLOCK_BYTES, nbytes - start)]
+            self._take(len(view), view)
+            yield view
 
     def read(self, offset: int, nbytes: int) -> bytearray:
         data = bytearray(nbytes)
-        view = memoryview(data)
-        for start in range(0, nbytes, BLOCK_BYTES):
-            self.fill(offset + start, view[start:start + BLOCK_BYTES])
+        self.fill(offset, memoryview(data))
         return data
 
     def finish(self) -> str:
         """Hashes the rest of the file and returns its sha256."""
-        size = os.fstat(self._handle.fileno()).st_size
-        self._advance_to(size)
+        self._pending = memoryview(b"")
+        try:
+            while True:
+                self._refill()
+        except EOFError:
+            pass
         self._handle.close()
+        self._chunk = None
         return self._sha256.hexdigest()
+
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _open_unbuffered(path: Path) -> tuple[io.FileIO, bool]:
+    """(file, direct): opened with O_DIRECT where the OS and filesystem accept it (not tmpfs, not macOS)."""
+    if _O_DIRECT:
+        try:
+            return io.FileIO(os.open(path, os.O_RDONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0)), "rb"), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return io.FileIO(path, "rb"), False
 
 
 def shard_header(shard: ShardPlan, metadata: dict[str, str]) -> bytes:
@@ -164,7 +216,7 @@ def _prefetch(shard: ShardPlan,
     """
     free: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(PREFETCH_BLOCKS):
-        free.put(memoryview(bytearray(BLOCK_BYTES)))
+        free.put(page_aligned_buffer(BLOCK_BYTES))
     filled: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
 
