@@ -20,7 +20,7 @@ from ..errors import InputError, OutputError
 from ..plan import ShardPlan, TensorPlan
 from .safetensors_header import encode_header
 
-BLOCK_BYTES = 1024 * 1024  # see docs/BENCHMARKS.md: 16 MiB writes cost several times the kernel time
+BLOCK_BYTES = 4 * 1024 * 1024  # one output write (O_DIRECT) and one read-ahead block; docs/BENCHMARKS.md
 PARTIAL_SUFFIX = ".gemma4-convert-partial"
 RETIRED_SUFFIX = ".gemma4-convert-old"  # an output --force replaces, until the new one is in place
 
@@ -155,16 +155,75 @@ def shard_header(shard: ShardPlan, metadata: dict[str, str]) -> bytes:
 
 
 class _HashingWriter:
-    def __init__(self, handle):
-        self.handle, self.sha256, self.written = handle, hashlib.sha256(), 0
+    """Writes and hashes one output file; with O_DIRECT through a page-aligned staging buffer of BLOCK_BYTES.
+
+    Whole staged blocks are written directly (no page cache: on the bench machine a buffered write cost
+    several times a direct one); the tail is written after O_DIRECT is switched off. A filesystem that
+    refuses O_DIRECT gets the same bytes buffered.
+    """
+
+    def __init__(self, path: Path):
+        self.sha256, self.written = hashlib.sha256(), 0
+        self.handle, self._direct = _open_for_writing(path)
+        self._stage = page_aligned_buffer(BLOCK_BYTES) if self._direct else None
+        self._staged = 0
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
-        for start in range(0, len(view), BLOCK_BYTES):  # a whole transformed tensor in one write() was slower
+        for start in range(0, len(view), BLOCK_BYTES):
             chunk = view[start:start + BLOCK_BYTES]
-            self.handle.write(chunk)
             self.sha256.update(chunk)
+            if self._stage is None:
+                self._write_all(chunk)
+                continue
+            while chunk:
+                count = min(len(chunk), BLOCK_BYTES - self._staged)
+                self._stage[self._staged:self._staged + count] = chunk[:count]
+                self._staged += count
+                chunk = chunk[count:]
+                if self._staged == BLOCK_BYTES:
+                    self._write_all(self._stage)
+                    self._staged = 0
         self.written += len(view)
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            try:
+                count = self.handle.write(view)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self._direct:
+                    raise
+                self._buffered()  # accepted O_DIRECT at open, not for this write
+                continue
+            if count < len(view) and self._direct:
+                self._buffered()  # the rest would no longer be block-aligned
+            view = view[count:]
+
+    def _buffered(self) -> None:
+        flags = fcntl.fcntl(self.handle.fileno(), fcntl.F_GETFL)
+        fcntl.fcntl(self.handle.fileno(), fcntl.F_SETFL, flags & ~_O_DIRECT)
+        self._direct = False
+
+    def finish(self) -> None:
+        """Writes what is staged and makes the file durable (fsync)."""
+        if self._staged:
+            if self._direct:
+                self._buffered()
+            self._write_all(self._stage[:self._staged])
+            self._staged = 0
+        os.fsync(self.handle.fileno())
+
+
+def _open_for_writing(path: Path) -> tuple[io.FileIO, bool]:
+    """(file, direct): created/truncated like open(path, "wb"), with O_DIRECT where it is accepted."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    if _O_DIRECT:
+        try:
+            return io.FileIO(os.open(path, flags | _O_DIRECT, 0o666), "wb"), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return io.FileIO(os.open(path, flags, 0o666), "wb"), False
 
 
 def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], readers: dict[Path, SequentialReader],
@@ -177,32 +236,33 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], reade
     Returns:
         sha256 of the written file.
     """
-    with _output_errors(path), open(path, "wb") as handle, _prefetch(shard, readers) as blocks:
-        out = _HashingWriter(handle)
-        out.write(shard_header(shard, metadata))
-        for tensor in shard.tensors:
-            if tensor.is_copy:
-                for block in blocks(tensor.source.nbytes):
-                    out.write(block)
-                    on_bytes(len(block))
-            else:
-                raw = bytearray(tensor.source.nbytes)
-                done = 0
-                for block in blocks(tensor.source.nbytes):
-                    raw[done:done + len(block)] = block
-                    done += len(block)
-                data = render(tensor, raw)
-                del raw
-                if len(data) != tensor.nbytes:
-                    raise RuntimeError(f"{tensor.name}: transform produced {len(data)} bytes, planned {tensor.nbytes}")
-                out.write(data)
-                on_bytes(tensor.source.nbytes)
-        handle.flush()
-        os.fsync(handle.fileno())
+    with _output_errors(path):
+        out = _HashingWriter(path)
+        with out.handle, _prefetch(shard, readers) as blocks:
+            out.write(shard_header(shard, metadata))
+            for tensor in shard.tensors:
+                if tensor.is_copy:
+                    for block in blocks(tensor.source.nbytes):
+                        out.write(block)
+                        on_bytes(len(block))
+                else:
+                    raw = bytearray(tensor.source.nbytes)
+                    done = 0
+                    for block in blocks(tensor.source.nbytes):
+                        raw[done:done + len(block)] = block
+                        done += len(block)
+                    data = render(tensor, raw)
+                    del raw
+                    if len(data) != tensor.nbytes:
+                        raise RuntimeError(f"{tensor.name}: transform produced {len(data)} bytes, "
+                                           f"planned {tensor.nbytes}")
+                    out.write(data)
+                    on_bytes(tensor.source.nbytes)
+            out.finish()
     return out.sha256.hexdigest()
 
 
-PREFETCH_BLOCKS = 8  # buffers in flight between the reading thread and the writer
+PREFETCH_BLOCKS = 4  # buffers in flight between the reading thread and the writer
 
 
 @contextmanager

@@ -1,0 +1,153 @@
+"""The streaming I/O under convert/verify: O_DIRECT reads and writes with buffered fallback, the read-ahead thread.
+
+Block sizes are shrunk to one page so KB-sized files cross many chunk and block boundaries.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from converter.errors import InputError
+from converter.io import writer
+from converter.io.safetensors_header import TensorRef
+from converter.plan import ShardPlan, SourceSlice, TensorPlan
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(writer, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(writer, "READ_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(writer, "PREFETCH_BLOCKS", 2)
+
+
+def _payload(tmp_path: Path, size: int = 50_000, seed: int = 0) -> tuple[Path, bytes]:
+    data = random.Random(seed).randbytes(size)
+    path = tmp_path / "source.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+class _RefusesFirstCall:
+    """Wraps a file object; the first readinto/write raises EINVAL, like a filesystem refusing O_DIRECT I/O."""
+
+    def __init__(self, handle):
+        self._handle, self.refused = handle, False
+
+    def _refuse_once(self):
+        if not self.refused:
+            self.refused = True
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    def readinto(self, buffer):
+        self._refuse_once()
+        return self._handle.readinto(buffer)
+
+    def write(self, data):
+        self._refuse_once()
+        return self._handle.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+@pytest.mark.parametrize("refuse_direct", [False, True])
+def test_reader_returns_exact_ranges_and_hashes_the_whole_file(tmp_path, small_blocks, refuse_direct):
+    path, data = _payload(tmp_path)
+    reader = writer.SequentialReader(path)
+    if refuse_direct:
+        reader._handle = _RefusesFirstCall(reader._handle)
+    offset = 7
+    for length in (1, 4095, 4096, 4097, 8193, 0, 12_000, 3):
+        offset += 13  # gaps are skipped but still hashed
+        assert bytes(reader.read(offset, length)) == data[offset:offset + length]
+        offset += length
+    view = writer.page_aligned_buffer(5000)
+    reader.fill(offset, view)
+    assert bytes(view) == data[offset:offset + 5000]
+    assert reader.finish() == hashlib.sha256(data).hexdigest()
+    assert not refuse_direct or not reader._direct
+
+
+def test_reader_range_blocks_and_out_of_order_read(tmp_path, small_blocks):
+    path, data = _payload(tmp_path)
+    reader = writer.SequentialReader(path)
+    assert b"".join(bytes(b) for b in reader.range_blocks(100, 20_000)) == data[100:20_100]
+    with pytest.raises(RuntimeError, match="not in source order"):
+        reader.read(50, 10)
+
+
+def test_reader_names_a_file_that_ends_early(tmp_path, small_blocks):
+    path, data = _payload(tmp_path, size=10_000)
+    with pytest.raises(InputError, match=f"{path.name}: ended 2000 bytes early"):
+        writer.SequentialReader(path).read(9_000, 3_000)
+
+
+@pytest.mark.parametrize("refuse_direct", [False, True])
+def test_hashing_writer_writes_every_byte_in_order(tmp_path, small_blocks, refuse_direct):
+    out = tmp_path / "out.bin"
+    pieces = [random.Random(i).randbytes(n) for i, n in enumerate((10, 4096, 1, 9000, 0, 4086, 12_289))]
+    writer_ = writer._HashingWriter(out)
+    real = writer_.handle
+    if refuse_direct:
+        writer_.handle = _RefusesFirstCall(real)
+    with real:
+        for piece in pieces:
+            writer_.write(piece)
+        writer_.finish()
+    assert not refuse_direct or (writer_.handle.refused and not writer_._direct)
+    expected = b"".join(pieces)
+    assert out.read_bytes() == expected
+    assert writer_.sha256.hexdigest() == hashlib.sha256(expected).hexdigest() and writer_.written == len(expected)
+
+
+def _shard(path: Path, sizes: list[int]) -> ShardPlan:
+    tensors, offset = [], 0
+    for i, size in enumerate(sizes):
+        ref = TensorRef(name=f"t{i}", dtype="U8", shape=(size,), file=path, offset=offset, nbytes=size)
+        tensors.append(TensorPlan(name=ref.name, dtype="U8", shape=(size,), source=SourceSlice.whole(ref),
+                                  action="kept"))
+        offset += size + 3
+    return ShardPlan("out.safetensors", tuple(tensors))
+
+
+def test_write_shard_streams_copies_through_the_read_ahead_thread(tmp_path, small_blocks):
+    path, data = _payload(tmp_path)
+    shard = _shard(path, [5000, 0, 16_384, 1, 9000])
+    readers = {path: writer.SequentialReader(path)}
+    digest = writer.write_shard(tmp_path / "out.safetensors", shard, metadata={}, readers=readers,
+                                render=lambda t, raw: memoryview(raw), on_bytes=lambda n: None)
+    written = (tmp_path / "out.safetensors").read_bytes()
+    header = writer.shard_header(shard, {})
+    body = b"".join(data[t.source.offset:t.source.offset + t.source.nbytes] for t in shard.tensors)
+    assert written == header + body and digest == hashlib.sha256(written).hexdigest()
+    assert readers[path].finish() == hashlib.sha256(data).hexdigest()
+
+
+def test_read_ahead_errors_surface_and_no_thread_is_left(tmp_path, small_blocks):
+    path, data = _payload(tmp_path, size=20_000)
+    before = threading.active_count()
+    with pytest.raises(InputError, match="ended .* bytes early"):
+        writer.write_shard(tmp_path / "a.safetensors", _shard(path, [15_000, 9000]), metadata={},
+                           readers={path: writer.SequentialReader(path)}, render=lambda t, raw: memoryview(raw),
+                           on_bytes=lambda n: None)
+    assert threading.active_count() == before
+
+
+def test_a_failing_writer_stops_the_read_ahead_thread(tmp_path, small_blocks):
+    path, data = _payload(tmp_path)
+    before = threading.active_count()
+
+    def fail(n: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        writer.write_shard(tmp_path / "b.safetensors", _shard(path, [40_000]), metadata={},
+                           readers={path: writer.SequentialReader(path)}, render=lambda t, raw: memoryview(raw),
+                           on_bytes=fail)
+    assert threading.active_count() == before
