@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO ?= demo
 
-.PHONY: install test demo clean vllm-envs vllm-check
+.PHONY: install test demo clean vllm-envs vllm-check bench
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -42,6 +42,10 @@ demo:
 	$(VENV)/bin/gemma4-convert check-pair $(DEMO)/pad-global/target $(DEMO)/pad-global/assistant
 	$(VENV)/bin/gemma4-convert verify --target $(DEMO)/source/target --assistant $(DEMO)/source/assistant \
 		--converted $(DEMO)/pad-global
+
+# docs/BENCHMARKS.md: cp vs convert (both layouts) vs verify vs a naive load/save script, cold cache, ~20 GB of disk
+bench:
+	$(PY) scripts/bench.py
 
 clean:
 	rm -rf $(DEMO) build *.egg-info .pytest_cache
