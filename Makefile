@@ -45,7 +45,7 @@ demo:
 
 # docs/BENCHMARKS.md: cp vs convert (both layouts) vs verify vs a naive load/save script, cold cache, ~20 GB of disk
 bench:
-	$(PY) scripts/bench.py
+	$(PY) scripts/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(DEMO) build *.egg-info .pytest_cache
