@@ -46,8 +46,8 @@ from .card import render_card
 from .errors import ConverterError, HubError, InputError, UsageError, VerificationFailed
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
 from .io.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
-                            VERIFICATION_NAME, Checkpoint, read_checkpoint, read_json)
-from .io.safetensors_header import DTYPES, ShardHeader, TensorRef
+                            VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
+from .io.safetensors_header import ShardHeader, shard_from_entries
 
 Purpose = Literal["headers", "full"]
 
@@ -284,43 +284,18 @@ def _remote_shards(api: Any, repo_id: str, sha: str, folder: Path) -> tuple[tupl
     sizes = {info.path: info.size for info in api.get_paths_info(repo_id, names, revision=sha)}
     shards = tuple(_shard_from_metadata(folder / name, metadata.files_metadata[name], sizes.get(name))
                    for name in names)
-    _check_weight_map(folder, shards, dict(metadata.weight_map))
+    check_weight_map(folder, shards, dict(metadata.weight_map))
     return shards, bool(metadata.sharded)
 
 
 def _shard_from_metadata(path: Path, metadata: Any, size: int | None) -> ShardHeader:
-    entries = sorted(metadata.tensors.items(), key=lambda item: tuple(item[1].data_offsets))
-    end = max((int(info.data_offsets[1]) for _, info in entries), default=0)
+    entries = {name: {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": list(info.data_offsets)}
+               for name, info in metadata.tensors.items()}
+    end = max((int(entry["data_offsets"][1]) for entry in entries.values()), default=0)
     if size is None or size - end < 8:
         raise InputError(f"{path.name}: the Hub reports {size} bytes but its tensors end at data offset {end}")
-    data_start = size - end  # safetensors files end exactly where the last tensor's bytes end
-    refs, previous_end = [], 0
-    for name, info in entries:
-        if info.dtype not in DTYPES:
-            raise InputError(f"{path.name}: tensor {name!r} has unsupported dtype {info.dtype!r}")
-        start, stop = (int(o) for o in info.data_offsets)
-        count = 1
-        for dim in info.shape:
-            count *= int(dim)
-        if stop - start != count * DTYPES[info.dtype][1] or start < previous_end:
-            raise InputError(f"{path.name}: tensor {name!r} has data_offsets {[start, stop]} that do not fit "
-                             f"{info.dtype}{list(info.shape)} (or overlap the previous tensor)")
-        previous_end = stop
-        refs.append(TensorRef(name=name, dtype=info.dtype, shape=tuple(int(d) for d in info.shape), file=path,
-                              offset=data_start + start, nbytes=stop - start))
-    return ShardHeader(file=path, data_start=data_start, size=size, metadata=dict(metadata.metadata or {}),
-                       tensors=tuple(refs))
-
-
-def _check_weight_map(folder: Path, shards: tuple[ShardHeader, ...], weight_map: dict[str, str]) -> None:
-    stored = {ref.name: shard.file.name for shard in shards for ref in shard.tensors}
-    for name, file_name in weight_map.items():
-        if stored.get(name) != file_name:
-            raise InputError(f"{folder / INDEX_NAME}: tensor {name!r} is listed in {file_name} but stored in "
-                             f"{stored.get(name, 'no shard')}")
-    extra = sorted(set(stored) - set(weight_map))
-    if extra:
-        raise InputError(f"{folder / INDEX_NAME}: tensor {extra[0]!r} in {stored[extra[0]]} is missing from the index")
+    # safetensors files end exactly where the last tensor's bytes end
+    return shard_from_entries(path, entries, data_start=size - end, size=size, metadata=dict(metadata.metadata or {}))
 
 
 def open_checkpoint(source: LocalSource) -> Checkpoint:

@@ -7,6 +7,7 @@ laid out in source byte order so the writer reads every source file once, front 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -68,10 +69,7 @@ class TensorPlan:
 
     @property
     def nbytes(self) -> int:
-        count = self.source.ref.itemsize
-        for dim in self.shape:
-            count *= dim
-        return count
+        return self.source.ref.itemsize * math.prod(self.shape)
 
     @property
     def is_copy(self) -> bool:

@@ -15,6 +15,7 @@ input embeddings, ordered-embedding assistants) are what matters to the converte
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -360,22 +361,15 @@ SIDE_FILES = {
 
 
 def _split_into_shards(specs: list[TensorSpec], num_shards: int, itemsize: int) -> list[list[TensorSpec]]:
-    total = sum(itemsize * _numel(s.shape) for s in specs)
+    total = sum(itemsize * math.prod(s.shape) for s in specs)
     shards: list[list[TensorSpec]] = [[]]
     filled = 0
     for spec in specs:
         if filled >= total * len(shards) / num_shards and len(shards) < num_shards:
             shards.append([])
         shards[-1].append(spec)
-        filled += itemsize * _numel(spec.shape)
+        filled += itemsize * math.prod(spec.shape)
     return shards
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 def _materialize_all(group: list[TensorSpec], dtype: torch.dtype, generator: torch.Generator,

@@ -117,15 +117,20 @@ def _shard_names(root: Path) -> tuple[list[str], bool]:
 
 
 def _check_index(root: Path, shards: tuple[ShardHeader, ...], indexed: bool) -> None:
+    weight_map = read_json(root / INDEX_NAME)["weight_map"] if indexed else None
+    check_weight_map(root, shards, weight_map)
+
+
+def check_weight_map(root: Path, shards: tuple[ShardHeader, ...], weight_map: dict[str, str] | None) -> None:
+    """No tensor in two shards, and (when there is an index) index and shard headers name the same tensors."""
     seen: dict[str, Path] = {}
     for shard in shards:
         for ref in shard.tensors:
             if ref.name in seen:
                 raise InputError(f"{root}: tensor {ref.name!r} is in both {seen[ref.name].name} and {shard.file.name}")
             seen[ref.name] = shard.file
-    if not indexed:
+    if weight_map is None:
         return
-    weight_map = read_json(root / INDEX_NAME)["weight_map"]
     for name, file_name in weight_map.items():
         if name not in seen:
             raise InputError(f"{root / INDEX_NAME}: tensor {name!r} is not in {file_name}")

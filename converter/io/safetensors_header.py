@@ -7,6 +7,7 @@ Format: 8-byte little-endian header length N, N bytes of JSON, then the data reg
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +55,6 @@ class ShardHeader:
     tensors: tuple[TensorRef, ...]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
 def read_header(path: Path) -> ShardHeader:
     """Reads and checks a safetensors header without touching tensor data.
 
@@ -98,8 +92,18 @@ def read_header(path: Path) -> ShardHeader:
     if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
         # safetensors itself rejects anything but string -> string, and the writer copies it into the output
         raise InputError(f"{path}: __metadata__ is not an object of strings")
-    data_start = 8 + length
-    tensors = sorted((_tensor_ref(path, name, entry, data_start) for name, entry in header.items()),
+    return shard_from_entries(path, header, data_start=8 + length, size=size, metadata=metadata)
+
+
+def shard_from_entries(path: Path, entries: Mapping[str, Any], *, data_start: int, size: int,
+                       metadata: Mapping[str, str]) -> ShardHeader:
+    """Checks header entries ({name: {dtype, shape, data_offsets}}) against the file layout; used for local headers
+    and for headers the Hub serves without the file.
+
+    Raises:
+        InputError: unknown dtype, bad shape or offsets, a size that does not match the shape, overlaps, truncation.
+    """
+    tensors = sorted((_tensor_ref(path, name, entry, data_start) for name, entry in entries.items()),
                      key=lambda ref: ref.offset)
     _check_layout(path, tensors, data_start, size)
     return ShardHeader(file=path, data_start=data_start, size=size, metadata=metadata, tensors=tuple(tensors))
@@ -118,10 +122,9 @@ def _tensor_ref(path: Path, name: str, entry: Any, data_start: int) -> TensorRef
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
         raise InputError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
-    nbytes = offsets[1] - offsets[0]
-    if nbytes != _numel(tuple(shape)) * DTYPES[dtype][1]:
-        raise InputError(f"{path}: tensor {name!r} occupies {nbytes} bytes but {dtype}{shape} needs "
-                         f"{_numel(tuple(shape)) * DTYPES[dtype][1]}")
+    nbytes, needed = offsets[1] - offsets[0], math.prod(shape) * DTYPES[dtype][1]
+    if nbytes != needed:
+        raise InputError(f"{path}: tensor {name!r} occupies {nbytes} bytes but {dtype}{shape} needs {needed}")
     return TensorRef(name=name, dtype=dtype, shape=tuple(shape), file=path, offset=data_start + offsets[0],
                      nbytes=nbytes)
 
