@@ -16,14 +16,14 @@ import torch
 
 from .gemma4 import FULL, ROLE_ASSISTANT, ROLE_TARGET, text_config_of
 from .io.checkpoint import Checkpoint
-from .io.safetensors_header import DTYPES, TensorRef
+from .io.safetensors_header import TensorRef
 from .io.tensor_reader import read_range
 from .layouts.base import find_attention_tensors
 from .plan import SourceSlice
 from .reference import (AttentionOutput, LayerSpec, assistant_forward, assistant_spec_from_config, attention_block,
                         compare_outputs, rms_norm, text_spec_from_config)
-from .transforms import decode, pad_head_rows, replicate_kv_heads
-from .verify import LayerCheck
+from .checks import LayerCheck
+from .transforms import decode, pad_head_rows, replicate_kv_heads, torch_dtype
 
 CHECK_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TRUTH_DTYPES = {"bf16": torch.float32, "fp32": torch.float64}
@@ -38,7 +38,7 @@ KvByType = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 def _load(piece: SourceSlice, device: torch.device) -> torch.Tensor:
     raw = read_range(piece.ref.file, piece.offset, piece.nbytes)
-    return decode(raw, dtype=DTYPES[piece.ref.dtype][0], shape=piece.shape).to(device)
+    return decode(raw, dtype=torch_dtype(piece.ref.dtype), shape=piece.shape).to(device)
 
 
 def dequantize(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,12 +13,10 @@ from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
 from .io.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
-from .io.safetensors_header import DTYPES
 from .io.writer import SequentialReader, copy_file, make_directory, staged_directory, write_json, write_shard
 from .layouts import get_layout
 from .pairing import PairReport, check_pair
 from .plan import CheckpointPlan, TensorPlan, index_document
-from .transforms import transform_bytes
 
 DEFAULT_SPECULATIVE_TOKENS = 4
 
@@ -184,20 +182,17 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
     return ConvertResult(plan=plan, output_files=outputs)
 
 
-def render_transform(tensor: TensorPlan, raw: bytearray) -> memoryview:
-    """The bytes of a TRANSFORM tensor, computed from its source bytes."""
-    return transform_bytes(raw, dtype=DTYPES[tensor.dtype][0], shape=tensor.source.shape, name=tensor.transform,
-                           params=dict(tensor.params))
-
-
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, paired: bool, warnings: tuple[str, ...],
                       on_bytes: Callable[[int], None], origin: Mapping[str, str] | None = None) -> dict[str, str]:
     plan, source = item.plan, item.source
+    render = None
+    if not all(tensor.is_copy for tensor in plan.tensors):
+        from .transforms import render_transform as render  # torch (~2 s to import): only when a tensor changes
     readers = {shard.file: SequentialReader(shard.file) for shard in source.shards}
     files: dict[str, str] = {}
     for shard in plan.shards:
         files[shard.file_name] = write_shard(directory / shard.file_name, shard, metadata=dict(plan.metadata),
-                                             readers=readers, render=render_transform, on_bytes=on_bytes)
+                                             readers=readers, render=render, on_bytes=on_bytes)
     source_hashes = {path.name: reader.finish() for path, reader in readers.items()}
     if plan.indexed:
         files[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan))

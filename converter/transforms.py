@@ -10,9 +10,14 @@ like the original pair (i, i + d/2), with the same frequency, so no rope config 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+from .io.safetensors_header import DTYPES
+
+if TYPE_CHECKING:
+    from .plan import TensorPlan
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -133,3 +138,15 @@ def transform_bytes(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, 
                     params: dict[str, int]) -> memoryview:
     """Decode, apply the named transform, encode: what the writer and `verify` both run for a TRANSFORM tensor."""
     return encode(apply_transform(name, decode(raw, dtype=dtype, shape=shape), params))
+
+
+def torch_dtype(safetensors_dtype: str) -> torch.dtype:
+    """"BF16" -> torch.bfloat16 (io.safetensors_header.DTYPES holds names so header reading needs no torch)."""
+    return getattr(torch, DTYPES[safetensors_dtype][0])
+
+
+def render_transform(tensor: TensorPlan, raw: bytearray) -> memoryview:
+    """The bytes of a TRANSFORM tensor, computed from its source bytes: what the writer writes and `verify`
+    recomputes (one function, so the two can never disagree)."""
+    return transform_bytes(raw, dtype=torch_dtype(tensor.dtype), shape=tensor.source.shape, name=tensor.transform,
+                           params=dict(tensor.params))

@@ -13,19 +13,20 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import __version__
+from .checks import LayerCheck
 from .errors import InputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, parse_attention_name
 from .io.checkpoint import Checkpoint, read_checkpoint
 from .io.writer import SequentialReader
 from .layouts import get_layout
 from .pairing import check_pair
-from .pipeline import render_transform
 from .plan import TensorPlan
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -52,26 +53,6 @@ class StructuralReport:
     @property
     def passed(self) -> bool:
         return not self.problems
-
-
-@dataclass(frozen=True)
-class LayerCheck:
-    """Numerical comparison of one block: converted vs original, against the original's own precision noise.
-
-    rel_rms is |converted - truth| / |truth| over the whole output (stable across seeds, unlike a max);
-    noise_floor is the same measure for the ORIGINAL weights in the checked dtype; ratio = rel_rms / noise_floor.
-    """
-
-    name: str
-    max_abs: float
-    max_rel: float
-    rel_rms: float
-    cosine: float
-    noise_floor: float
-    ratio: float
-    factor: float
-    passed: bool
-    note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +138,7 @@ def _check_manifest(manifest: dict, planned: dict[str, TensorPlan], role: str) -
 def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, TensorPlan], role: str,
                  on_bytes: Callable[[int], None]) -> tuple[int, int, list[Problem]]:
     """Streams both sides once, in output order (which the plan keeps in source order)."""
+    from .transforms import render_transform  # torch
     problems: list[Problem] = []
     copied = transformed = 0
     source_readers = {shard.file: SequentialReader(shard.file) for shard in source.shards}
@@ -218,6 +200,8 @@ class VerifyRequest:
 
 def resolve_device(name: str) -> torch.device:
     """auto -> cuda when available, else cpu; asking for cuda without one is a usage error."""
+    import torch  # the numerical half needs it; `verify --help` and the structural half do not
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -245,6 +229,8 @@ def load_pairs(request: VerifyRequest) -> dict[str, tuple[Checkpoint, Checkpoint
 
 
 def versions(device: torch.device) -> dict[str, str | None]:
+    import torch
+
     cuda = torch.version.cuda if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     return {"torch": torch.__version__, "cuda": cuda, "device_name": name, "python": platform.python_version()}

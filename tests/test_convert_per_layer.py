@@ -173,10 +173,10 @@ def test_source_is_untouched(pair, tmp_path, run_cli):
 
 def test_untouched_tensors_are_never_decoded(pair, tmp_path, monkeypatch):
     """Only the tensors a layout changes go through torch; the rest are byte copies."""
-    from converter import pipeline
+    from converter import pipeline, transforms
     calls = []
-    original = pipeline.render_transform
-    monkeypatch.setattr(pipeline, "render_transform", lambda tensor, raw: calls.append(tensor.name) or
+    original = transforms.render_transform
+    monkeypatch.setattr(transforms, "render_transform", lambda tensor, raw: calls.append(tensor.name) or
                         original(tensor, raw))
     plan = pipeline.plan_conversion(pipeline.ConvertRequest(out=tmp_path / "o", layout="pad-global",
                                                             target=pair / "target", assistant=pair / "assistant"))

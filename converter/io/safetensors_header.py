@@ -13,18 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-
 from ..errors import InputError
 
-# safetensors dtype name -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8), "I32": (torch.int32, 4), "I16": (torch.int16, 2), "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1), "U16": (torch.uint16, 2), "U32": (torch.uint32, 4),
-    "U64": (torch.uint64, 8), "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1),
+# safetensors dtype name -> (torch dtype attribute, bytes per element); names, not torch objects, so that reading
+# headers (inspect, check-pair, planning) never imports torch (transforms.torch_dtype resolves them)
+DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U8": ("uint8", 1), "BOOL": ("bool", 1), "U16": ("uint16", 2), "U32": ("uint32", 4),
+    "U64": ("uint64", 8), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
 }
-TORCH_TO_SAFETENSORS = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
 

@@ -227,8 +227,9 @@ def _open_for_writing(path: Path) -> tuple[io.FileIO, bool]:
 
 
 def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], readers: dict[Path, SequentialReader],
-                render: Callable[[TensorPlan, bytearray], memoryview], on_bytes: Callable[[int], None]) -> str:
-    """Writes one output shard; untouched tensors are streamed as raw bytes, the rest go through `render`.
+                render: Callable[[TensorPlan, bytearray], memoryview] | None, on_bytes: Callable[[int], None]) -> str:
+    """Writes one output shard; untouched tensors are streamed as raw bytes, the rest go through `render`
+    (None when the shard has no TRANSFORM tensor).
 
     A thread reads (and hashes) the sources a few blocks ahead while this one writes (and hashes) the output:
     hashlib, readinto and write release the GIL, so the two sha256 passes run on two cores.
