@@ -20,34 +20,21 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
-
-import httpx2
-from huggingface_hub import HfApi, constants
-from huggingface_hub.errors import (
-    DisabledRepoError,
-    GatedRepoError,
-    HfHubHTTPError,
-    HFValidationError,
-    IncompleteSnapshotError,
-    LocalEntryNotFoundError,
-    LocalTokenNotFoundError,
-    NotASafetensorsRepoError,
-    OfflineModeIsEnabled,
-    RemoteEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-    RevisionResolutionError,
-    SafetensorsParsingError,
-)
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
 
 from . import __version__
-from .card import render_card
 from .errors import ConverterError, HubError, InputError, UsageError, VerificationFailed
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
 from .io.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
                             VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
 from .io.safetensors_header import ShardHeader, shard_from_entries
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+# huggingface_hub and httpx2 (~0.5 s to import) are imported where the Hub is used, so that `inspect`, `check-pair`,
+# `--help` on a local path start in a fraction of a second (scripts/bench.py, startup rows).
 
 Purpose = Literal["headers", "full"]
 
@@ -69,6 +56,8 @@ SOURCE_CARD_NAME = "README.source.md"  # the source's own README.md travels unde
 
 def make_api() -> HfApi:
     """The HfApi every verb uses unless one is injected (tests inject a fake through the click context)."""
+    from huggingface_hub import HfApi
+
     return HfApi(library_name="gemma4-convert", library_version=__version__)
 
 
@@ -82,6 +71,25 @@ def describe_hub_error(exc: BaseException, *, subject: str) -> ConverterError | 
     Order matters: GatedRepoError is a RepositoryNotFoundError, which is an HfHubHTTPError; IncompleteSnapshotError
     is a LocalEntryNotFoundError; OfflineModeIsEnabled is a ConnectionError.
     """
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        DisabledRepoError,
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        LocalTokenNotFoundError,
+        NotASafetensorsRepoError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+        RevisionResolutionError,
+        SafetensorsParsingError,
+    )
+
     if isinstance(exc, GatedRepoError):
         return HubError(f"{subject}: gated repo; accept its terms on https://huggingface.co/{_repo_of(subject)} and "
                         f"use a token of that account (HF_TOKEN or `hf auth login`)")
@@ -135,6 +143,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _offline_reason() -> str:
+    from huggingface_hub import constants
     return "HF_HUB_OFFLINE=1" if constants.is_offline_mode() else "network down or Hub unreachable"
 
 
@@ -142,9 +151,16 @@ def _repo_of(subject: str) -> str:
     return subject.split("@", 1)[0]
 
 
-_HUB_FAILURES = (HfHubHTTPError, LocalTokenNotFoundError, RevisionResolutionError, LocalEntryNotFoundError,
-                 httpx2.TransportError, ConnectionError, TimeoutError, NotASafetensorsRepoError,
-                 SafetensorsParsingError, HFValidationError)
+def _hub_failures() -> tuple[type[BaseException], ...]:
+    """What hub_errors turns into ConverterErrors (an except clause evaluates this only when something is raised)."""
+    import httpx2
+    from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                        LocalTokenNotFoundError, NotASafetensorsRepoError, RevisionResolutionError,
+                                        SafetensorsParsingError)
+
+    return (HfHubHTTPError, LocalTokenNotFoundError, RevisionResolutionError, LocalEntryNotFoundError,
+            httpx2.TransportError, ConnectionError, TimeoutError, NotASafetensorsRepoError,
+            SafetensorsParsingError, HFValidationError)
 
 
 @contextmanager
@@ -152,7 +168,7 @@ def hub_errors(subject: str) -> Iterator[None]:
     """Turns huggingface_hub and network exceptions raised inside into one-line ConverterErrors about `subject`."""
     try:
         yield
-    except _HUB_FAILURES as exc:
+    except _hub_failures() as exc:
         error = describe_hub_error(exc, subject=subject)
         if error is None:  # pragma: no cover - every class in _HUB_FAILURES is described
             raise
@@ -192,6 +208,8 @@ class LocalSource:
         """What conversion.json records under `source` besides the local path: empty for a local directory."""
         if self.repo_id is None or self.revision_sha is None:
             return {}
+        from huggingface_hub import constants
+
         return {"repo_id": self.repo_id, "revision": self.revision_sha,
                 "requested_revision": self.revision or constants.DEFAULT_REVISION}
 
@@ -225,6 +243,8 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
     ref = parse_repo_ref(text)
     if ref is None:
         return LocalSource(path=Path(text).expanduser())
+    from huggingface_hub import constants
+
     api = api if api is not None else make_api()
     with hub_errors(ref.text):
         sha = _resolve_sha(api, ref)
@@ -246,6 +266,7 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
 
 
 def _resolve_sha(api: Any, ref: RepoRef) -> str:
+    from huggingface_hub import constants
     # local_files_only when offline: the same cache lookup without a "could not reach the Hub" warning per source
     resolved = api.resolve_revision(ref.repo_id, revision=ref.revision, local_files_only=constants.is_offline_mode())
     return str(resolved.resolved)  # str(ResolvedRevision) is the name asked for, not the sha
@@ -267,6 +288,7 @@ def _missing_files(folder: Path) -> list[str]:
 
 
 def _raise_incomplete(source: LocalSource, missing: list[str], *, weights: bool) -> None:
+    from huggingface_hub import constants
     more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
     where = f"{source.label}: {missing[0]}{more} not in {source.path}"
     if constants.is_offline_mode():
@@ -396,6 +418,7 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
         VerificationFailed: verification.json says the output failed.
         InputError: unreadable manifests, files the manifest lists that are missing.
     """
+    from huggingface_hub import constants
     dirs = checkpoint_dirs(request.dst)
     unknown = sorted(set(request.repos) - set(dirs))
     if unknown or set(dirs) - set(request.repos):
@@ -409,6 +432,8 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
     for role, directory in dirs.items():
         verification = _read_verification(request, directory)
         manifest = manifests[role]
+        from .card import render_card  # yaml and the layouts: only an upload needs them
+
         card = render_card(manifest=manifest, verification=verification, repo_id=request.repos[role],
                            target_repo=serve_repos.get(ROLE_TARGET), assistant_repo=serve_repos.get(ROLE_ASSISTANT),
                            base_model=request.base_model or manifest.get("source", {}).get("repo_id"),
@@ -512,6 +537,7 @@ def execute_upload(plan: UploadPlan, *, api: Any) -> list[UploadResult]:
     Raises:
         HubError: token, permission, rate limit, network (one line; rerun to resume).
     """
+    from huggingface_hub import constants
     request = plan.request
     with hub_errors(plan.items[0].repo_id):  # the token check: fail before creating anything
         api.whoami()

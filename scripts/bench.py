@@ -196,6 +196,38 @@ def bench_source(source: Source, args: argparse.Namespace, log: Path) -> list[Ru
     return runs
 
 
+# ------------------------------------------------------------------------------------------------ start-up
+
+STARTUP_REPEATS = 7
+
+
+def bench_startup(args: argparse.Namespace, log: Path) -> list[dict]:
+    """Median wall time of the light verbs on a tiny checkpoint (programs warm), against a bare interpreter."""
+    tiny = Source("tiny", args.work_dir / "sources" / "tiny", "tiny synthetic 31B pair", ("--preset", "31b", "--tiny"))
+    build(tiny, log)
+    target, assistant = str(tiny.path / "target"), str(tiny.path / "assistant")
+    commands = {"python -c pass": [PY, "-c", "pass"], "--version": [CLI, "--version"], "--help": [CLI, "--help"],
+                "inspect": [CLI, "inspect", target], "inspect --json": [CLI, "inspect", target, "--json"],
+                "check-pair": [CLI, "check-pair", target, assistant]}
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(STARTUP_REPEATS):  # interleaved, so a burst of load hits every command alike
+        for name, command in commands.items():
+            start = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True)
+            times[name].append(time.perf_counter() - start)
+    rows = [{"command": name, "median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
+            for name, t in times.items()]
+    for row in rows:
+        print(f"  startup {row['command']:<16} {row['median_s']:.3f} s (min {row['min_s']:.3f})", flush=True)
+    return rows
+
+
+def startup_table(rows: list[dict]) -> str:
+    lines = [f"| command (tiny checkpoint) | wall s, median of {STARTUP_REPEATS} (min-max) |", "|---|---|"]
+    lines += [f"| `{r['command']}` | {r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) |" for r in rows]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------ reporting
 
 def machine(work_dir: Path) -> dict[str, str]:

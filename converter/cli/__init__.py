@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -17,7 +18,21 @@ EXIT_INTERRUPTED = 130
 EXIT_UNEXPECTED = 70
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+# verb -> module of this package; a verb's module (and what it imports) loads only when that verb runs or --help
+# lists them all, so `inspect` does not pay for convert's or verify's imports (and nothing here imports torch)
+VERBS = {"inspect": "inspect", "convert": "convert", "check-pair": "check_pair", "verify": "verify", "upload": "upload"}
+
+
+class _VerbGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(VERBS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        # a verb that fails to import raises here: a bug to see, not a verb to skip
+        return importlib.import_module(f".{VERBS[name]}", __package__).command if name in VERBS else None
+
+
+@click.group(cls=_VerbGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="gemma4-convert")
 @click.option("--debug", is_flag=True, help="Show the Python traceback of unexpected errors.")
 def cli(debug: bool) -> None:
@@ -29,21 +44,12 @@ def cli(debug: bool) -> None:
     """
 
 
-def _register() -> None:
-    # explicit imports: a verb that fails to import is a bug to see, not a verb to skip
-    from . import check_pair, convert, inspect, upload, verify  # noqa: F401
-
-    for module in (inspect, convert, check_pair, verify, upload):
-        cli.add_command(module.command)
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps every error to one line and an exit code."""
-    _register()
     debug = "--debug" in (argv if argv is not None else sys.argv) or bool(os.environ.get("GEMMA4_CONVERT_DEBUG"))
     previous_sigterm = None
     if threading.current_thread() is threading.main_thread():

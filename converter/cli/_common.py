@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..cost import KvCost, human_bytes
-from ..hub import LocalSource, Purpose, make_api, resolve_source
+from ..hub import LocalSource, Purpose, make_api, parse_repo_ref, resolve_source
 
 PATH = click.Path(path_type=Path, file_okay=True, dir_okay=True)
 
@@ -18,6 +18,11 @@ def hub_api(ctx: click.Context | None) -> Any:
     """The HfApi of this invocation: `obj={"hf_api": fake}` when tests inject one, else a real client."""
     obj = ctx.find_root().obj if ctx is not None else None
     return obj["hf_api"] if isinstance(obj, dict) and obj.get("hf_api") is not None else make_api()
+
+
+def resolve_cli_source(text: str, *, purpose: Purpose, ctx: click.Context | None) -> LocalSource:
+    """resolve_source with this invocation's HfApi; a local path needs none (and never imports huggingface_hub)."""
+    return resolve_source(text, purpose=purpose, api=hub_api(ctx) if parse_repo_ref(text) is not None else None)
 
 
 class SourceType(click.ParamType):
@@ -31,7 +36,7 @@ class SourceType(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> LocalSource:
         if isinstance(value, LocalSource):
             return value
-        return resolve_source(str(value), purpose=self.purpose, api=hub_api(ctx))
+        return resolve_cli_source(str(value), purpose=self.purpose, ctx=ctx)
 
 
 SOURCE = SourceType("full")  # config, weights and side files

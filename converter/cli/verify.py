@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from tqdm import tqdm
 
 from ..errors import UsageError, VerificationFailed
-from ..hub import LocalSource, resolve_source
+from ..hub import LocalSource
 from ..io.checkpoint import VERIFICATION_NAME
 from ..io.writer import write_json
 from ..verify import VerifyReport, VerifyRequest, load_pairs, verify
-from ._common import PATH, SOURCE, hub_api
+from ._common import PATH, SOURCE, resolve_cli_source
 
 
 @click.command("verify")
@@ -46,7 +45,7 @@ def command(paths: tuple[Path, ...], target: LocalSource | None, assistant: Loca
         raise UsageError("give SRC DST or --converted, not both")
     single, out = (paths[0], paths[1]) if paths else (None, converted)
     if single is not None:  # SRC may be a Hub repo id, fetched at one commit like --target/--assistant
-        single = resolve_source(str(single), purpose="full", api=hub_api(click.get_current_context())).path
+        single = resolve_cli_source(str(single), purpose="full", ctx=click.get_current_context()).path
     if out is None:
         raise UsageError("missing --converted DST")
     request = VerifyRequest(converted=out, target=target and target.path, assistant=assistant and assistant.path,
@@ -54,6 +53,8 @@ def command(paths: tuple[Path, ...], target: LocalSource | None, assistant: Loca
                             tolerance_factor=tolerance_factor)
     pairs = load_pairs(request)
     total = sum(output.total_bytes for _, output in pairs.values())
+    from tqdm import tqdm  # ~0.1 s: imported by the runs that show progress, not by --help
+
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="structure", disable=None,
               leave=False) as bar:
         layers = tqdm(desc="layers", unit="layer", disable=None, leave=False)
