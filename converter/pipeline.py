@@ -13,12 +13,16 @@ from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
 from .io.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
-from .io.writer import SequentialReader, copy_file, make_directory, staged_directory, write_json, write_shard
+from .io.writer import (LINK_MODES, SequentialReader, make_directory, place_file, staged_directory, write_json,
+                        write_shard)
 from .layouts import get_layout
 from .pairing import PairReport, check_pair
 from .plan import CheckpointPlan, TensorPlan, index_document
 
 DEFAULT_SPECULATIVE_TOKENS = 4
+MADE_WRITTEN = "written"  # conversion.json `output.made` of a file this tool generated
+# modes whose unchanged files take no new space (auto may fall back to copying, so it is counted as a copy)
+LINKS_NO_SPACE = ("reflink", "hardlink", "symlink")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class ConvertRequest:
     single: Path | None = None
     force: bool = False
     max_shard_bytes: int | None = None
+    link: str = "auto"  # how unchanged files get into the output: io.writer.LINK_MODES
     # role ("single", "target", "assistant") -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
 
@@ -72,7 +77,8 @@ class ConversionPlan:
 @dataclass(frozen=True)
 class ConvertResult:
     plan: ConversionPlan
-    output_files: dict[str, dict[str, str]]  # subdir -> file name -> sha256
+    output_files: dict[str, dict[str, str | None]]  # subdir -> file name -> sha256 (None: linked, never read)
+    made: dict[str, str] = field(default_factory=dict)  # "subdir/name" -> how (conversion.json `output.made`)
 
 
 def plan_conversion(request: ConvertRequest) -> ConversionPlan:
@@ -82,6 +88,8 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
         UsageError, InputError, OutputError: with one-line messages naming the file at fault.
     """
     sources = _sources(request)
+    if request.link not in LINK_MODES:
+        raise UsageError(f"unknown --link {request.link!r}; choose one of {', '.join(LINK_MODES)}")
     layout = get_layout(request.layout)
     checkpoints = {role: read_checkpoint(path) for role, path in sources.items()}
     _check_output(request, list(sources.values()))
@@ -106,7 +114,8 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     for item in items:
         warnings.extend(item.plan.warnings)
     plan = ConversionPlan(request=request, items=items, pair=pair, warnings=tuple(warnings))
-    _check_free_space(request.out, plan.output_bytes)
+    linked = sum(s.nbytes for i in items for s in i.plan.shards if s.same_as) if request.link in LINKS_NO_SPACE else 0
+    _check_free_space(request.out, plan.output_bytes - linked)
     return plan
 
 
@@ -170,44 +179,65 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
     Raises:
         OutputError: when writing fails (nothing is left behind).
     """
-    outputs: dict[str, dict[str, str]] = {}
+    outputs: dict[str, dict[str, str | None]] = {}
+    made: dict[str, str] = {}
     paired = plan.pair is not None
     with staged_directory(plan.request.out, replace=plan.request.force) as staging:
         for item in plan.items:
             directory = staging / item.subdir if item.subdir else staging
             make_directory(directory)
-            outputs[item.subdir] = _write_checkpoint(item, directory, paired=paired, warnings=plan.warnings,
-                                                     on_bytes=on_bytes,
-                                                     origin=plan.request.origins.get(item.subdir or "single"))
-    return ConvertResult(plan=plan, output_files=outputs)
+            outputs[item.subdir], how = _write_checkpoint(item, directory, link=plan.request.link, paired=paired,
+                                                          warnings=plan.warnings, on_bytes=on_bytes,
+                                                          origin=plan.request.origins.get(item.subdir or "single"))
+            made.update({f"{item.subdir}/{name}".lstrip("/"): h for name, h in how.items()})
+    return ConvertResult(plan=plan, output_files=outputs, made=made)
 
 
-def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, paired: bool, warnings: tuple[str, ...],
-                      on_bytes: Callable[[int], None], origin: Mapping[str, str] | None = None) -> dict[str, str]:
+def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, paired: bool, warnings: tuple[str, ...],
+                      on_bytes: Callable[[int], None],
+                      origin: Mapping[str, str] | None = None) -> tuple[dict[str, str | None], dict[str, str]]:
     plan, source = item.plan, item.source
     render = None
     if not all(tensor.is_copy for tensor in plan.tensors):
         from .transforms import render_transform as render  # torch (~2 s to import): only when a tensor changes
-    readers = {shard.file: SequentialReader(shard.file) for shard in source.shards}
-    files: dict[str, str] = {}
+    used = {t.source.ref.file for shard in plan.shards if shard.same_as is None for t in shard.tensors}
+    readers = {shard.file: SequentialReader(shard.file) for shard in source.shards if shard.file in used}
+    sizes = {shard.file: shard.size for shard in source.shards}
+    files: dict[str, str | None] = {}
+    made: dict[str, str] = {}
+    source_hashes: dict[str, str | None] = {}
     for shard in plan.shards:
+        if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
+            made[shard.file_name], digest = place_file(shard.same_as, directory / shard.file_name, link=link,
+                                                       expected_size=sizes[shard.same_as])
+            files[shard.file_name] = source_hashes[shard.same_as.name] = digest
+            on_bytes(sum(t.source.nbytes for t in shard.tensors))
+            continue
         files[shard.file_name] = write_shard(directory / shard.file_name, shard, metadata=dict(plan.metadata),
                                              readers=readers, render=render, on_bytes=on_bytes)
-    source_hashes = {path.name: reader.finish() for path, reader in readers.items()}
+        made[shard.file_name] = MADE_WRITTEN
+    source_hashes.update({path.name: reader.finish() for path, reader in readers.items()})
     if plan.indexed:
         files[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan))
     files["config.json"] = write_json(directory / "config.json", plan.config)
+    made.update({INDEX_NAME: MADE_WRITTEN} if plan.indexed else {}, **{"config.json": MADE_WRITTEN})
     for name in plan.side_files:
-        source_hashes[name] = files[name] = copy_file(source.path / name, directory / name)
+        made[name], digest = place_file(source.path / name, directory / name, link=link)
+        source_hashes[name] = files[name] = digest
     write_json(directory / MANIFEST_NAME, manifest_document(item, source_hashes=source_hashes, output_hashes=files,
-                                                            paired=paired, warnings=warnings, origin=origin))
-    return files
+                                                            made=made, link=link, paired=paired, warnings=warnings,
+                                                            origin=origin))
+    return files, made
 
 
-def manifest_document(item: PlannedCheckpoint, *, source_hashes: dict[str, str], output_hashes: dict[str, str],
-                      paired: bool, warnings: tuple[str, ...],
-                      origin: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """conversion.json: enough to audit, verify and cite the conversion (origin: the Hub repo id and commit)."""
+def manifest_document(item: PlannedCheckpoint, *, source_hashes: Mapping[str, str | None],
+                      output_hashes: Mapping[str, str | None], made: Mapping[str, str], link: str, paired: bool,
+                      warnings: tuple[str, ...], origin: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """conversion.json: enough to audit, verify and cite the conversion (origin: the Hub repo id and commit).
+
+    `output.made` says how each file came to be: "written" (generated), "copy", "reflink", "hardlink" or "symlink"
+    (an unchanged source file); a linked file was never read, so its sha256 is null on both sides.
+    """
     plan, source = item.plan, item.source
     return {
         "tool": "gemma4-convert",
@@ -219,8 +249,8 @@ def manifest_document(item: PlannedCheckpoint, *, source_hashes: dict[str, str],
         "converted_with_pair": paired,
         "warnings": list(warnings),
         "source": {"path": str(source.path.resolve()), **dict(origin or {}), "dialect": source.spec.dialect,
-                   "config": dict(source.config), "files": source_hashes},
-        "output": {"files": output_hashes, "total_size": plan.total_size},
+                   "config": dict(source.config), "files": dict(source_hashes)},
+        "output": {"files": dict(output_hashes), "made": dict(made), "link": link, "total_size": plan.total_size},
         "tensors": [_tensor_record(t) for t in plan.tensors],
     }
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .io.checkpoint import INDEX_NAME, SINGLE_NAME
-from .io.safetensors_header import TensorRef
+from .io.safetensors_header import ShardHeader, TensorRef
 
 ACTION_KEPT = "kept"
 ACTION_SPLIT = "split"
@@ -80,6 +81,9 @@ class TensorPlan:
 class ShardPlan:
     file_name: str
     tensors: tuple[TensorPlan, ...]
+    # the source file this shard reproduces byte for byte (every tensor of that file kept whole under its own name,
+    # nothing else): the file is copied or linked as it is, its header included, instead of being re-serialized
+    same_as: Path | None = None
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +145,20 @@ def plan_shards(tensors: Iterable[TensorPlan], *, source_files: list[str], index
     return tuple(ShardPlan(n, tuple(g)) for n, g in zip(names, groups)), True
 
 
+def mark_unchanged(shards: Iterable[ShardPlan], source_shards: Iterable[ShardHeader]) -> tuple[ShardPlan, ...]:
+    """Sets `same_as` on every shard that is one whole source file unchanged (see ShardPlan)."""
+    names_by_file = {s.file: {ref.name for ref in s.tensors} for s in source_shards}
+    marked = []
+    for shard in shards:
+        files = {t.source.ref.file for t in shard.tensors}
+        file = next(iter(files)) if len(files) == 1 else None
+        unchanged = file is not None and all(
+            t.is_copy and t.source.is_whole and t.name == t.source.ref.name for t in shard.tensors) \
+            and {t.name for t in shard.tensors} == names_by_file.get(file)
+        marked.append(replace(shard, same_as=file) if unchanged else shard)
+    return tuple(marked)
+
+
 def index_document(plan: CheckpointPlan) -> dict[str, Any]:
     """model.safetensors.index.json contents for a sharded plan."""
     weight_map = {t.name: shard.file_name for shard in plan.shards for t in shard.tensors}
@@ -160,4 +178,4 @@ def parse_size(text: str) -> int:
 
 
 __all__ = ["ACTION_KEPT", "ACTION_SPLIT", "CheckpointPlan", "INDEX_NAME", "ShardPlan", "SourceSlice", "TensorPlan",
-           "index_document", "parse_size", "plan_shards"]
+           "index_document", "mark_unchanged", "parse_size", "plan_shards"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import random
 import threading
 from pathlib import Path
@@ -56,12 +57,29 @@ class _RefusesFirstCall:
         return getattr(self._handle, name)
 
 
-@pytest.mark.parametrize("refuse_direct", [False, True])
-def test_reader_returns_exact_ranges_and_hashes_the_whole_file(tmp_path, small_blocks, refuse_direct):
+def _refuse_direct_reads_once(monkeypatch, source: writer.SourceFile) -> list:
+    """The first O_DIRECT read fails with EINVAL, like a filesystem that accepted O_DIRECT at open only."""
+    refused, real, direct_fd = [], os.preadv, source._direct_fd
+    source._nowait = False  # the test file is in the page cache; force the direct path
+
+    def preadv(fd, buffers, offset, *flags):
+        if fd == direct_fd and not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(writer.os, "preadv", preadv)
+    return refused
+
+
+@pytest.mark.parametrize("mode", ["cached", "direct", "refuse_direct"])
+def test_reader_returns_exact_ranges_and_hashes_the_whole_file(tmp_path, small_blocks, monkeypatch, mode):
     path, data = _payload(tmp_path)
     reader = writer.SequentialReader(path)
-    if refuse_direct:
-        reader._handle = _RefusesFirstCall(reader._handle)
+    if mode == "direct":
+        reader._file._nowait = False
+    if mode == "refuse_direct":
+        refused = _refuse_direct_reads_once(monkeypatch, reader._file)
     offset = 7
     for length in (1, 4095, 4096, 4097, 8193, 0, 12_000, 3):
         offset += 13  # gaps are skipped but still hashed
@@ -70,8 +88,12 @@ def test_reader_returns_exact_ranges_and_hashes_the_whole_file(tmp_path, small_b
     view = writer.page_aligned_buffer(5000)
     reader.fill(offset, view)
     assert bytes(view) == data[offset:offset + 5000]
+    source = reader._file
     assert reader.finish() == hashlib.sha256(data).hexdigest()
-    assert not refuse_direct or not reader._direct
+    if mode == "cached" and source.direct:  # just written, so every byte came from the page cache
+        assert source.cached_bytes == len(data)
+    if mode == "refuse_direct":
+        assert refused and not source.direct
 
 
 def test_reader_range_blocks_and_out_of_order_read(tmp_path, small_blocks):
@@ -151,3 +173,42 @@ def test_a_failing_writer_stops_the_read_ahead_thread(tmp_path, small_blocks):
                            readers={path: writer.SequentialReader(path)}, render=lambda t, raw: memoryview(raw),
                            on_bytes=fail)
     assert threading.active_count() == before
+
+
+def _evict(path: Path, start: int = 0, length: int = 0) -> None:
+    """Asks the kernel to drop the file's cached pages (after fsync, clean pages go), so reads go to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("evict", ["none", "all", "middle"])
+@pytest.mark.parametrize("size", [0, 1, 4096, 50_001])
+def test_copy_file_is_exact_and_hashed_once_whatever_is_cached(tmp_path, small_blocks, evict, size):
+    """Cached pages are read from the page cache, the rest with O_DIRECT from the next block boundary."""
+    path, data = _payload(tmp_path, size=size)
+    if evict != "none":
+        _evict(path, *((8192 + 100, 20_000) if evict == "middle" else ()))
+    digest = writer.copy_file(path, tmp_path / "copy.bin", expected_size=size)
+    assert (tmp_path / "copy.bin").read_bytes() == data and digest == hashlib.sha256(data).hexdigest()
+
+
+def test_copy_file_refuses_a_source_that_changed_size(tmp_path, small_blocks):
+    path, data = _payload(tmp_path, size=10_000)
+    with pytest.raises(InputError, match="source.bin: is 10000 bytes, 12000 when its header was read"):
+        writer.copy_file(path, tmp_path / "copy.bin", expected_size=12_000)
+
+
+def test_source_file_reads_every_byte_when_part_of_it_is_cached(tmp_path, small_blocks):
+    path, data = _payload(tmp_path, size=100_003)
+    _evict(path, 30_000, 40_000)
+    source = writer.SourceFile(path)
+    buffer = writer.page_aligned_buffer(8192)
+    got = bytearray()
+    while count := source.readinto(buffer):
+        got += buffer[:count]
+    source.close()
+    assert bytes(got) == data

@@ -9,8 +9,10 @@ import click
 from ..cost import human_bytes
 from ..errors import UsageError
 from ..hub import LocalSource
+from ..io.writer import LINK_MEANING, LINK_MODES
 from ..layouts import get_layout, layout_names
-from ..pipeline import ConversionPlan, ConvertRequest, execute, plan_conversion, serve_command
+from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertRequest, ConvertResult, execute, plan_conversion,
+                        serve_command)
 from ..plan import parse_size
 from ._common import PATH, SOURCE, kv_cost_lines
 
@@ -35,11 +37,15 @@ def _size(ctx, param, value):
               help="per-layer: explicit keys, tensors unchanged (transformers<5.15). "
                    "pad-global: homogeneous geometry, any transformers.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only after the new output is complete).")
+@click.option("--link", type=click.Choice(LINK_MODES), default="auto", show_default=True,
+              help="How files the layout leaves unchanged get into OUT: auto = reflink (copy-on-write clone) where "
+                   "the filesystem can, else copy; hardlink / symlink share the source's files (see the note "
+                   "convert prints).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the cost; write nothing.")
 @click.option("--max-shard-size", callback=_size, default=None, metavar="SIZE",
               help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
 def command(src: LocalSource | None, target: LocalSource | None, assistant: LocalSource | None, out: Path, layout: str,
-            force: bool, dry_run: bool, max_shard_size: int | None) -> None:
+            force: bool, link: str, dry_run: bool, max_shard_size: int | None) -> None:
     """Convert a target and/or assistant (or one checkpoint SRC) into OUT with the chosen layout.
 
     \b
@@ -50,10 +56,12 @@ def command(src: LocalSource | None, target: LocalSource | None, assistant: Loca
     sources = {"single": src, "target": target, "assistant": assistant}
     request = ConvertRequest(out=out, layout=layout, target=target and target.path,
                              assistant=assistant and assistant.path, single=src and src.path, force=force,
-                             max_shard_bytes=max_shard_size,
+                             max_shard_bytes=max_shard_size, link=link,
                              origins={role: s.origin() for role, s in sources.items() if s and s.origin()})
     plan = plan_conversion(request)
     _print_plan(plan, dry_run=dry_run)
+    if link in LINK_MEANING:
+        click.echo(f"NOTE: --link {link}: {LINK_MEANING[link]}", err=True)
     if dry_run:
         click.echo("dry run: nothing written")
         return
@@ -61,14 +69,23 @@ def command(src: LocalSource | None, target: LocalSource | None, assistant: Loca
 
     with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
               disable=None, leave=False) as bar:
-        execute(plan, on_bytes=bar.update)
-    click.echo(f"wrote {out} ({human_bytes(plan.output_bytes)} of tensors)")
+        result = execute(plan, on_bytes=bar.update)
+    click.echo(f"wrote {out} ({human_bytes(plan.output_bytes)} of tensors{_made_summary(result)})")
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
     click.echo("serve it with stock vLLM 0.27:")
     if layout == "per-layer":
         click.echo("  (per-layer needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
     click.echo(f"  {serve_command(plan)}")
+
+
+def _made_summary(result: ConvertResult) -> str:
+    """', unchanged files: 3 reflink, 2 copy' from the manifests just written."""
+    counts: dict[str, int] = {}
+    for how in result.made.values():
+        counts[how] = counts.get(how, 0) + 1
+    counts.pop(MADE_WRITTEN, None)
+    return ("; unchanged files: " + ", ".join(f"{n} {how}" for how, n in sorted(counts.items()))) if counts else ""
 
 
 def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:

@@ -6,15 +6,17 @@ import errno
 import fcntl
 import hashlib
 import io
+import itertools
 import json
 import mmap
 import os
 import queue
 import shutil
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import InputError, OutputError
 from ..plan import ShardPlan, TensorPlan
@@ -35,46 +37,129 @@ def page_aligned_buffer(nbytes: int) -> memoryview:
 
 
 READ_CHUNK_BYTES = 4 * 1024 * 1024  # one O_DIRECT read; a multiple of any logical block size
+DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of the logical block size
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+class SourceFile:
+    """Sequential reads of one source file from wherever its bytes are fastest to get.
+
+    Each chunk is first asked of the page cache without waiting for the disk (preadv2 RWF_NOWAIT on a buffered
+    descriptor): a checkpoint that was just downloaded or converted is read at memory speed. What is not cached is
+    read with O_DIRECT, which skips the page cache: a stream read once gains nothing from it, and on the bench
+    machine the kernel's page-cache copy of uncached data cost several times the direct read itself
+    (docs/BENCHMARKS.md). A filesystem that refuses O_DIRECT (tmpfs) or RWF_NOWAIT gets plain buffered reads.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.size = os.fstat(self._fd).st_size
+        self._direct_fd = _open_direct(path) if _O_DIRECT else None
+        self._nowait = bool(_RWF_NOWAIT) and self._direct_fd is not None
+        self.position = 0
+        self.cached_bytes = 0  # served by the page cache (bench and tests look)
+
+    def readinto(self, buffer: memoryview) -> int:
+        """Fills buffer with the next bytes (fewer only at the end of the file); returns the count."""
+        want = min(len(buffer), self.size - self.position)
+        done = 0
+        while done < want:
+            count = self._read_at(buffer[done:], self.position + done, want - done)
+            if count == 0:
+                break
+            done += count
+        self.position += done
+        return done
+
+    def _read_at(self, buffer: memoryview, offset: int, want: int) -> int:
+        cached = 0
+        if self._nowait:
+            cached = self._cached_read(buffer[:want], offset)
+            self.cached_bytes += cached
+            if cached == want:
+                return cached
+        if self._direct_fd is not None and offset % DIRECT_ALIGN == 0:
+            start = cached - cached % DIRECT_ALIGN  # O_DIRECT resumes on a block boundary
+            return start + self._direct_read(buffer[start:], offset + start, want - start)
+        return cached + os.preadv(self._fd, [buffer[cached:want]], offset + cached)
+
+    def _cached_read(self, buffer: memoryview, offset: int) -> int:
+        try:
+            return os.preadv(self._fd, [buffer], offset, _RWF_NOWAIT)
+        except BlockingIOError:  # nothing of it cached
+            return 0
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self._nowait = False  # this kernel or filesystem has no RWF_NOWAIT for reads
+            return 0
+
+    def _direct_read(self, buffer: memoryview, offset: int, want: int) -> int:
+        """O_DIRECT of whole blocks (the buffer's full length, so aligned; the kernel stops at end of file)."""
+        if len(buffer) % DIRECT_ALIGN:
+            return os.preadv(self._fd, [buffer[:want]], offset)
+        try:
+            count = os.preadv(self._direct_fd, [buffer], offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # a filesystem that accepted O_DIRECT at open but not for this read: carry on buffered
+            self.close_direct()
+            return os.preadv(self._fd, [buffer[:want]], offset)
+        return min(count, want)
+
+    def close_direct(self) -> None:
+        if self._direct_fd is not None:
+            os.close(self._direct_fd)
+        self._direct_fd, self._nowait = None, False
+
+    @property
+    def direct(self) -> bool:
+        return self._direct_fd is not None
+
+    def close(self) -> None:
+        self.close_direct()
+        os.close(self._fd)
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second, O_DIRECT descriptor where the OS and filesystem accept one (not tmpfs, not macOS)."""
+    try:
+        return os.open(path, os.O_RDONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return None
 
 
 class SequentialReader:
     """Reads one source file front to back exactly once, hashing every byte (gaps and header included).
 
     The plan orders tensors by source offset, so each request starts at or after the previous one. The file
-    is read in READ_CHUNK_BYTES chunks with O_DIRECT where the filesystem allows it (else buffered, same
-    code): a stream read once gains nothing from the page cache, and on the bench machine the kernel's
-    page-cache copy cost several times the direct read itself (docs/BENCHMARKS.md). Requested ranges are
-    copied out of the chunk into the caller's buffer (`fill`, `read`).
+    is read in READ_CHUNK_BYTES chunks (SourceFile: page cache where it holds them, else O_DIRECT); requested
+    ranges are copied out of the chunk into the caller's buffer (`fill`, `read`). `hashed=False` (verify, which
+    compares bytes instead) skips the sha256.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, hashed: bool = True):
         self.path = path
-        self._handle, self._direct = _open_unbuffered(path)
+        self._file = SourceFile(path)
         self._position = 0  # bytes handed out or skipped
-        self._sha256 = hashlib.sha256()
+        self._sha256 = hashlib.sha256() if hashed else None
         self._chunk: memoryview | None = None  # page-aligned, allocated on the first read
         self._pending = memoryview(b"")  # read and hashed, not yet handed out
 
     def _refill(self) -> None:
         if self._chunk is None:
             self._chunk = page_aligned_buffer(READ_CHUNK_BYTES)
-        count = self._read_chunk(self._chunk)
+        count = self._file.readinto(self._chunk)
         if not count:
             raise EOFError
         self._pending = self._chunk[:count]
-        self._sha256.update(self._pending)  # releases the GIL: the read-ahead thread hashes while the writer writes
-
-    def _read_chunk(self, buffer: memoryview) -> int:
-        try:
-            return self._handle.readinto(buffer)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or not self._direct:
-                raise
-            # a filesystem that accepted O_DIRECT at open but not for this read: carry on buffered
-            flags = fcntl.fcntl(self._handle.fileno(), fcntl.F_GETFL)
-            fcntl.fcntl(self._handle.fileno(), fcntl.F_SETFL, flags & ~_O_DIRECT)
-            self._direct = False
-            return self._handle.readinto(buffer)
+        if self._sha256 is not None:
+            self._sha256.update(self._pending)  # releases the GIL: the read-ahead thread hashes while the writer writes
 
     def _take(self, nbytes: int, into: memoryview | None) -> None:
         """Hands out (copies into `into`) or skips the next nbytes."""
@@ -117,31 +202,18 @@ class SequentialReader:
         self.fill(offset, memoryview(data))
         return data
 
-    def finish(self) -> str:
-        """Hashes the rest of the file and returns its sha256."""
+    def finish(self) -> str | None:
+        """Hashes the rest of the file (unless unhashed) and returns its sha256."""
         self._pending = memoryview(b"")
-        try:
-            while True:
-                self._refill()
-        except EOFError:
-            pass
-        self._handle.close()
+        if self._sha256 is not None:
+            try:
+                while True:
+                    self._refill()
+            except EOFError:
+                pass
+        self._file.close()
         self._chunk = None
-        return self._sha256.hexdigest()
-
-
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-def _open_unbuffered(path: Path) -> tuple[io.FileIO, bool]:
-    """(file, direct): opened with O_DIRECT where the OS and filesystem accept it (not tmpfs, not macOS)."""
-    if _O_DIRECT:
-        try:
-            return io.FileIO(os.open(path, os.O_RDONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0)), "rb"), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return io.FileIO(path, "rb"), False
+        return self._sha256.hexdigest() if self._sha256 is not None else None
 
 
 def shard_header(shard: ShardPlan, metadata: dict[str, str]) -> bytes:
@@ -162,8 +234,8 @@ class _HashingWriter:
     refuses O_DIRECT gets the same bytes buffered.
     """
 
-    def __init__(self, path: Path):
-        self.sha256, self.written = hashlib.sha256(), 0
+    def __init__(self, path: Path, *, hashed: bool = True):
+        self.sha256, self.written = hashlib.sha256() if hashed else None, 0
         self.handle, self._direct = _open_for_writing(path)
         self._stage = page_aligned_buffer(BLOCK_BYTES) if self._direct else None
         self._staged = 0
@@ -172,7 +244,8 @@ class _HashingWriter:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), BLOCK_BYTES):
             chunk = view[start:start + BLOCK_BYTES]
-            self.sha256.update(chunk)
+            if self.sha256 is not None:
+                self.sha256.update(chunk)
             if self._stage is None:
                 self._write_all(chunk)
                 continue
@@ -185,6 +258,16 @@ class _HashingWriter:
                     self._write_all(self._stage)
                     self._staged = 0
         self.written += len(view)
+
+    def write_block(self, block: memoryview) -> None:
+        """Writes a page-aligned buffer of BLOCK_BYTES (or the file's last, shorter block) without staging it."""
+        if self._staged or len(block) != BLOCK_BYTES or not self._direct:
+            self.write(block)
+            return
+        if self.sha256 is not None:
+            self.sha256.update(block)
+        self._write_all(block)
+        self.written += len(block)
 
     def _write_all(self, view: memoryview) -> None:
         while view:
@@ -267,12 +350,11 @@ PREFETCH_BLOCKS = 4  # buffers in flight between the reading thread and the writ
 
 
 @contextmanager
-def _prefetch(shard: ShardPlan,
-              readers: dict[Path, SequentialReader]) -> Iterator[Callable[[int], Iterator[memoryview]]]:
-    """Reads the shard's source ranges, in plan order, in a thread; yields `blocks(nbytes)` for the consumer.
+def _read_ahead(steps: Iterable[Callable[[memoryview], memoryview]], name: str) -> Iterator[Iterator[memoryview]]:
+    """Runs `steps` in a thread, each filling a free BLOCK_BYTES buffer and returning the filled view; yields the
+    iterator of those views, in order, each valid until the next is taken.
 
-    `blocks(n)` yields the next n source bytes of the plan in blocks, each valid until the next is taken. At
-    most PREFETCH_BLOCKS buffers exist; an error in the thread is raised in the consumer; leaving the context
+    At most PREFETCH_BLOCKS buffers exist; an error in the thread is raised in the consumer; leaving the context
     (normally or on error) stops and joins the thread.
     """
     free: queue.SimpleQueue = queue.SimpleQueue()
@@ -280,39 +362,59 @@ def _prefetch(shard: ShardPlan,
         free.put(page_aligned_buffer(BLOCK_BYTES))
     filled: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
+    end = object()
 
     def produce() -> None:
         try:
-            for tensor in shard.tensors:
-                reader = readers[tensor.source.ref.file]
-                for start in range(0, tensor.source.nbytes, BLOCK_BYTES):
-                    buffer = free.get()
-                    if stop.is_set():
-                        return
-                    view = buffer[:min(BLOCK_BYTES, tensor.source.nbytes - start)]
-                    reader.fill(tensor.source.offset + start, view)
-                    filled.put((view, buffer))
+            for step in steps:
+                buffer = free.get()
+                if stop.is_set():
+                    return
+                filled.put((step(buffer), buffer))
+            filled.put((end, None))
         except BaseException as exc:  # handed to the consumer, which raises it
             filled.put((exc, None))
 
-    def blocks(nbytes: int) -> Iterator[memoryview]:
-        for _ in range(0, nbytes, BLOCK_BYTES):
+    def views() -> Iterator[memoryview]:
+        while True:
             view, buffer = filled.get()
             if buffer is None:
+                if view is end:
+                    return
                 raise view
             try:
                 yield view
             finally:
                 free.put(buffer)
 
-    thread = threading.Thread(target=produce, name=f"read-ahead {shard.file_name}", daemon=True)
+    thread = threading.Thread(target=produce, name=f"read-ahead {name}", daemon=True)
     thread.start()
     try:
-        yield blocks
+        yield views()
     finally:
         stop.set()
         free.put(memoryview(bytearray(0)))  # wakes a producer waiting for a buffer
         thread.join()
+
+
+def _shard_steps(shard: ShardPlan, readers: dict[Path, SequentialReader]) -> Iterator[Callable[[memoryview], memoryview]]:
+    """The shard's source ranges, in plan order, in blocks of BLOCK_BYTES."""
+    for tensor in shard.tensors:
+        reader = readers[tensor.source.ref.file]
+        for start in range(0, tensor.source.nbytes, BLOCK_BYTES):
+            def step(buffer: memoryview, reader=reader, offset=tensor.source.offset + start,
+                     count=min(BLOCK_BYTES, tensor.source.nbytes - start)) -> memoryview:
+                reader.fill(offset, buffer[:count])
+                return buffer[:count]
+            yield step
+
+
+@contextmanager
+def _prefetch(shard: ShardPlan,
+              readers: dict[Path, SequentialReader]) -> Iterator[Callable[[int], Iterator[memoryview]]]:
+    """Reads the shard's source ranges in a thread; yields `blocks(nbytes)`: the next nbytes of the plan in blocks."""
+    with _read_ahead(_shard_steps(shard, readers), shard.file_name) as views:
+        yield lambda nbytes: itertools.islice(views, -(-nbytes // BLOCK_BYTES))
 
 
 def make_directory(path: Path) -> None:
@@ -329,14 +431,121 @@ def write_json(path: Path, document: Any) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def copy_file(source: Path, destination: Path) -> str:
-    """Byte-identical copy; returns the sha256 of what was copied."""
-    sha256 = hashlib.sha256()
-    with _output_errors(destination), open(source, "rb") as src, open(destination, "wb") as dst:
-        while block := src.read(BLOCK_BYTES):
-            sha256.update(block)
-            dst.write(block)
+def copy_file(source: Path, destination: Path, *, expected_size: int | None = None) -> str:
+    """Byte-identical copy at disk speed; returns the sha256 of what was copied (hashed once, by the reading thread,
+    while this one writes: the copy's sha256 is the source's).
+
+    Raises:
+        InputError: the source's size is not `expected_size` (it changed since its header was read).
+    """
+    with _output_errors(destination):
+        src = SourceFile(source)
+        try:
+            _check_size(source, src.size, expected_size)
+            sha256 = hashlib.sha256()
+            out = _HashingWriter(destination, hashed=False)
+            with out.handle, _read_ahead(_file_steps(src, sha256), destination.name) as views:
+                for view in views:
+                    out.write_block(view)
+                out.finish()
+        finally:
+            src.close()
+    if out.written != src.size:
+        raise InputError(f"{source}: ended {src.size - out.written} bytes early (file changed while converting?)")
     return sha256.hexdigest()
+
+
+def _file_steps(src: SourceFile, sha256: Any) -> Iterator[Callable[[memoryview], memoryview]]:
+    for _ in range(0, src.size, BLOCK_BYTES):
+        def step(buffer: memoryview) -> memoryview:
+            view = buffer[:src.readinto(buffer)]
+            sha256.update(view)
+            return view
+        yield step
+
+
+LINK_MODES = ("auto", "copy", "reflink", "hardlink", "symlink")
+LINK_MEANING = {
+    "hardlink": "unchanged files are hard links: the output's and the source's are one file on disk, so an in-place "
+                "write to either changes both (gemma4-convert never writes to a source; a tool that replaces files "
+                "by rename breaks the link instead)",
+    "symlink": "unchanged files are symbolic links to the source's absolute paths: an in-place write through either "
+               "changes both, and the output breaks when the source is moved or deleted",
+}
+_FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int): clone the whole file, copy-on-write
+# what FICLONE answers on a filesystem or pair of files that cannot share extents (ext4, tmpfs, two filesystems)
+_NO_REFLINK = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM}
+
+
+def _check_size(path: Path, size: int, expected: int | None) -> None:
+    if expected is not None and size != expected:
+        raise InputError(f"{path}: is {size} bytes, {expected} when its header was read (file changed while "
+                         "converting?)")
+
+
+def place_file(source: Path, destination: Path, *, link: str,
+               expected_size: int | None = None) -> tuple[str, str | None]:
+    """Puts an unchanged file at destination by `link` mode; returns (how it was made, sha256 or None).
+
+    auto: reflink where the filesystem can, else copy. A link is made without reading the file, so its sha256 is
+    not known (None); a copy is hashed on the way.
+
+    Raises:
+        InputError: the source's size is not `expected_size`.
+        OutputError: the mode is impossible here (reflink unsupported, hardlink across filesystems) or the write fails.
+    """
+    if link != "copy":  # a copy checks while it reads
+        with _output_errors(destination):
+            _check_size(source, os.stat(source).st_size, expected_size)
+    if link in ("auto", "reflink"):
+        if _reflink(source, destination):
+            return "reflink", None
+        if link == "reflink":
+            raise OutputError(f"{destination.parent}: cannot reflink {source} here (the filesystem has no "
+                              "copy-on-write clones, or source and output are on different filesystems); use "
+                              "--link auto to copy instead")
+        return "copy", copy_file(source, destination, expected_size=expected_size)
+    if link == "copy":
+        return "copy", copy_file(source, destination, expected_size=expected_size)
+    with _output_errors(destination):
+        try:
+            if link == "hardlink":
+                os.link(source, destination)  # follows a symlinked source (a Hugging Face cache snapshot) to its blob
+            elif link == "symlink":
+                os.symlink(source.resolve(), destination)
+            else:
+                raise ValueError(f"unknown link mode {link!r}")
+        except OSError as exc:
+            if link == "hardlink" and exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise OutputError(f"{destination}: cannot hard-link {source} ({exc.strerror}; hard links need one "
+                                  "filesystem and permission to link); use --link auto, copy or symlink") from exc
+            raise
+    return link, None
+
+
+def _reflink(source: Path, destination: Path) -> bool:
+    """A copy-on-write clone (FICLONE); False, with nothing left at destination, where the filesystem has none."""
+    if not sys.platform.startswith("linux"):
+        return False
+    with _output_errors(destination):
+        src = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.ioctl(dst, _FICLONE, src)
+            except OSError as exc:
+                if exc.errno not in _NO_REFLINK:
+                    raise
+                os.close(dst)
+                dst = -1
+                os.unlink(destination)
+                return False
+            finally:
+                if dst >= 0:
+                    os.close(dst)
+        finally:
+            os.close(src)
+    return True
 
 
 def sha256_file(path: Path) -> str:

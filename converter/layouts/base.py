@@ -11,7 +11,7 @@ from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, 
                       parse_attention_name)
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors_header import TensorRef
-from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, plan_shards
+from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
 
 _REGISTRY: dict[str, type["Layout"]] = {}
 
@@ -78,6 +78,7 @@ class Layout:
         tensors = list(self._plan_tensors(checkpoint))
         shards, indexed = plan_shards(tensors, source_files=[s.file.name for s in checkpoint.shards],
                                       indexed=checkpoint.indexed, max_shard_bytes=max_shard_bytes)
+        shards = mark_unchanged(shards, checkpoint.shards)
         metadata = dict(checkpoint.shards[0].metadata) if checkpoint.shards else {}
         metadata.setdefault("format", "pt")
         return CheckpointPlan(role=spec.role, layout=self.name, config=self.rewrite_config(checkpoint.config, spec),
