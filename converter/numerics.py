@@ -10,7 +10,7 @@ converted with the converted target's K/V (the last sliding and last full layer)
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -63,6 +63,54 @@ def layer_attention_weights(checkpoint: Checkpoint, layer: int, device: torch.de
 def _tensor(checkpoint: Checkpoint, name: str, device: torch.device) -> torch.Tensor:
     ref: TensorRef = checkpoint.tensors[name]
     return _load(SourceSlice.whole(ref), device)
+
+
+class OnDemandWeights(Mapping):
+    """A checkpoint's tensors, each read from disk and cast when looked up and dropped when its block is done.
+
+    The assistant runs three times (truth, floor, converted); holding all its weights in the truth dtype would be
+    1.9 GB (fp32) or 3.8 GB (fp64) for the 31B assistant. Looked up one at a time, the peak is the largest layer's
+    weights; the vocabulary table comes as row blocks (RowBlocks, reference.vocab_logits). Integer tensors are not
+    cast.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, *, device: torch.device, dtype: torch.dtype):
+        self._refs, self._device, self._dtype = checkpoint.tensors, device, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor | RowBlocks:
+        ref = self._refs[name]
+        if ref.dtype in ("I64", "I32"):
+            return _load(SourceSlice.whole(ref), self._device)
+        if name.endswith(VOCAB_TABLES) and len(ref.shape) == 2:
+            return RowBlocks(ref, device=self._device, dtype=self._dtype)
+        return _load(SourceSlice.whole(ref), self._device).to(self._dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._refs
+
+    def __iter__(self):
+        return iter(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
+VOCAB_TABLES = ("embed_tokens.weight", "lm_head.weight")
+
+
+class RowBlocks:
+    """A 2-D stored tensor read a block of rows at a time (see reference.vocab_logits)."""
+
+    def __init__(self, ref: TensorRef, *, device: torch.device, dtype: torch.dtype):
+        self.ref, self.shape, self._device, self._dtype = ref, ref.shape, device, dtype
+
+    def row_blocks(self, rows: int) -> Iterator[torch.Tensor]:
+        for start in range(0, self.shape[0], rows):
+            piece = SourceSlice(ref=self.ref, row_start=start, row_stop=min(start + rows, self.shape[0]))
+            yield _load(piece, self._device).to(self._dtype)
+
+    def whole(self) -> torch.Tensor:
+        return _load(SourceSlice.whole(self.ref), self._device).to(self._dtype)
 
 
 def _run_block(hidden: torch.Tensor, weights: dict[str, torch.Tensor], layer: LayerSpec, dtype: torch.dtype,
@@ -199,11 +247,8 @@ def _check_assistant(source: Checkpoint, output: Checkpoint, kv_runs: dict[str, 
     for run in RUNS:
         checkpoint, spec = (output, spec_after) if run == "converted" else (source, spec_before)
         dtype = dtypes[run]
-        weights = {name: _tensor(checkpoint, name, device).to(dtype) if ref.dtype not in ("I64", "I32") else
-                   _tensor(checkpoint, name, device) for name, ref in checkpoint.tensors.items()}
-        outputs[run] = assistant_forward(weights, spec=spec, inputs_embeds=embeds.to(dtype),
-                                         shared_kv=kv_runs[run], positions=positions)
-        del weights
+        outputs[run] = assistant_forward(OnDemandWeights(checkpoint, device=device, dtype=dtype), spec=spec,
+                                         inputs_embeds=embeds.to(dtype), shared_kv=kv_runs[run], positions=positions)
     return [judge(f"assistant {part}", getattr(outputs["truth"], part), getattr(outputs["floor"], part),
                   getattr(outputs["converted"], part), factor) for part in ("hidden", "logits")]
 

@@ -253,9 +253,56 @@ def _layer_spec(cfg: Mapping[str, Any], *, index: int, layer_type: str, rope: Ma
 # ------------------------------------------------------------------------------------------------ primitives
 
 
-def sub_weights(weights: Weights, prefix: str) -> dict[str, torch.Tensor]:
-    """The entries of `weights` under `prefix`, with the prefix removed (e.g. "model.language_model.layers.3.")."""
-    return {name[len(prefix):]: tensor for name, tensor in weights.items() if name.startswith(prefix)}
+class _Prefixed(Mapping):
+    """A read-through view of the entries under a prefix: nothing is fetched until it is looked up, so weights that
+    load on demand (numerics.py, one tensor at a time) stay on disk until the block that uses them runs."""
+
+    def __init__(self, weights: Weights, prefix: str):
+        self._weights, self._prefix = weights, prefix
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._weights[self._prefix + name]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._prefix + name in self._weights
+
+    def __iter__(self):
+        return (name[len(self._prefix):] for name in self._weights if name.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def sub_weights(weights: Weights, prefix: str) -> Weights:
+    """The entries of `weights` under `prefix`, with the prefix removed (e.g. "model.language_model.layers.3.").
+
+    A dict gives a new dict (callers may add entries); any other Mapping (numerics.OnDemandWeights) a read-through
+    view, so nothing is loaded before it is used.
+    """
+    if isinstance(weights, dict):
+        return {name[len(prefix):]: tensor for name, tensor in weights.items() if name.startswith(prefix)}
+    return _Prefixed(weights, prefix)
+
+
+VOCAB_BLOCK_ROWS = 8192  # lm_head rows per matmul in vocab_logits
+
+
+def vocab_logits(hidden: torch.Tensor, lm_head: Any) -> torch.Tensor:
+    """F.linear(hidden, lm_head), a block of vocabulary rows at a time, each block cast to hidden's dtype.
+
+    lm_head is a tensor, or anything with `row_blocks(rows)` yielding consecutive row blocks (numerics.py reads a
+    262144-row embedding from disk that way): the full table never exists in the computing dtype, so an fp32 or fp64
+    check of a 31B assistant stays within its memory budget. Each logit is the same dot product as in one matmul.
+    """
+    blocks = lm_head.split(VOCAB_BLOCK_ROWS) if isinstance(lm_head, torch.Tensor) else \
+        lm_head.row_blocks(VOCAB_BLOCK_ROWS)
+    return torch.cat([F.linear(hidden, block.to(device=hidden.device, dtype=hidden.dtype)) for block in blocks],
+                     dim=-1)
+
+
+def whole(lm_head: Any) -> torch.Tensor:
+    """The tensor itself, or a row-block source (see vocab_logits) read whole."""
+    return lm_head if isinstance(lm_head, torch.Tensor) else lm_head.whole()
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor | None, *, eps: float) -> torch.Tensor:
@@ -661,12 +708,12 @@ def assistant_forward(weights: Weights, *, spec: AssistantSpec, inputs_embeds: t
         hidden, _ = decoder_layer(hidden, sub_weights(model, f"layers.{i}."), layer=layer, spec=text,
                                   positions=positions, kv=shared_kv[layer.layer_type], mask=masks[layer.layer_type])
     hidden = rms_norm(hidden, model["norm.weight"], eps=text.eps)
-    lm_head = weights.get("lm_head.weight", model.get("embed_tokens.weight"))
+    lm_head = weights["lm_head.weight"] if "lm_head.weight" in weights else model["embed_tokens.weight"]
     if spec.use_ordered_embeddings:
-        logits = ordered_logits(hidden, weights, lm_head=lm_head, num_centroids=spec.num_centroids,
+        logits = ordered_logits(hidden, weights, lm_head=whole(lm_head), num_centroids=spec.num_centroids,
                                 top_k=spec.centroid_intermediate_top_k)
     else:
-        logits = F.linear(hidden, lm_head)
+        logits = vocab_logits(hidden, lm_head)
     return AssistantOutput(hidden=_linear(hidden, weights, "post_projection"), logits=logits)
 
 
