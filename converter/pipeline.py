@@ -13,6 +13,7 @@ from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
 from .io.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
+from .io.lock import output_lock
 from .io.safetensors_header import DTYPES
 from .io.writer import SequentialReader, copy_file, make_directory, staged_directory, write_json, write_shard
 from .layouts import get_layout
@@ -169,18 +170,23 @@ def _refuse_reconversion(checkpoint: Checkpoint) -> None:
 def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n: None) -> ConvertResult:
     """Writes the planned output under a staging name beside it, then renames it into place.
 
+    The output's lock (io/lock.py) is held throughout: a second writer into the same DST is refused at once.
+
     Raises:
-        OutputError: when writing fails (nothing is left behind).
+        OutputError: when writing fails (nothing is left behind), or another process is writing DST.
     """
     outputs: dict[str, dict[str, str]] = {}
     paired = plan.pair is not None
-    with staged_directory(plan.request.out, replace=plan.request.force) as staging:
-        for item in plan.items:
-            directory = staging / item.subdir if item.subdir else staging
-            make_directory(directory)
-            outputs[item.subdir] = _write_checkpoint(item, directory, paired=paired, warnings=plan.warnings,
-                                                     on_bytes=on_bytes,
-                                                     origin=plan.request.origins.get(item.subdir or "single"))
+    with output_lock(plan.request.out):
+        if plan.request.out.exists() and not plan.request.force:  # another run finished it since we planned
+            raise OutputError(f"{plan.request.out} already exists; choose a new directory or pass --force")
+        with staged_directory(plan.request.out, replace=plan.request.force) as staging:
+            for item in plan.items:
+                directory = staging / item.subdir if item.subdir else staging
+                make_directory(directory)
+                outputs[item.subdir] = _write_checkpoint(item, directory, paired=paired, warnings=plan.warnings,
+                                                         on_bytes=on_bytes,
+                                                         origin=plan.request.origins.get(item.subdir or "single"))
     return ConvertResult(plan=plan, output_files=outputs)
 
 
