@@ -13,6 +13,7 @@ HubError (exit 5) in `describe_hub_error`; a re-run resumes (downloads skip cach
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -43,7 +44,7 @@ from huggingface_hub.errors import (
 
 from . import __version__
 from .card import render_card
-from .errors import ConverterError, HubError, InputError, UsageError, VerificationFailed
+from .errors import ConverterError, HubError, InputError, OutputError, UsageError, VerificationFailed
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
 from .io.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
                             VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
@@ -139,7 +140,7 @@ def _offline_reason() -> str:
 
 
 def _repo_of(subject: str) -> str:
-    return subject.split("@", 1)[0]
+    return subject.split(":", 1)[0].split("@", 1)[0]
 
 
 _HUB_FAILURES = (HfHubHTTPError, LocalTokenNotFoundError, RevisionResolutionError, LocalEntryNotFoundError,
@@ -157,6 +158,55 @@ def hub_errors(subject: str) -> Iterator[None]:
         if error is None:  # pragma: no cover - every class in _HUB_FAILURES is described
             raise
         raise error from exc
+
+
+try:  # hf_xet is optional for huggingface_hub; without it no transfer can raise these
+    from hf_xet import XetAuthenticationError, XetObjectNotFoundError
+except ImportError:  # pragma: no cover - installed with huggingface_hub on every platform we support
+    class XetAuthenticationError(PermissionError):  # type: ignore[no-redef]
+        pass
+
+    class XetObjectNotFoundError(FileNotFoundError):  # type: ignore[no-redef]
+        pass
+
+
+@contextmanager
+def transfer_errors(subject: str, what: str, *, cache: Path | None = None) -> Iterator[None]:
+    """Like hub_errors around ONE transfer call (a file download, a folder upload), naming `what` was moved.
+
+    hf_xet raises XetAuthenticationError (a PermissionError), XetObjectNotFoundError (a FileNotFoundError) and,
+    for everything else (network, CAS, reconstruction), a plain RuntimeError; the LFS path wraps its HTTP errors
+    in a RuntimeError too (`raise RuntimeError(...) from exc`, _commit_api.py). Inside this one call a
+    RuntimeError can only come from the transfer, so it is described by type and cause, never by its text.
+    `cache`: where a download writes; no space or no permission there is an output problem (exit 4).
+    """
+    where = f"{subject}: {what}"
+    try:
+        yield
+    except XetAuthenticationError as exc:
+        raise HubError(f"{where}: hf_xet storage refused the credentials ({_first_line(exc)}); the token "
+                       f"(HF_TOKEN) needs access to this repo; rerun to resume") from exc
+    except XetObjectNotFoundError as exc:
+        raise HubError(f"{where}: hf_xet storage has no such object ({_first_line(exc)}); rerun later "
+                       f"(it resumes)") from exc
+    except _HUB_FAILURES as exc:
+        error = describe_hub_error(exc, subject=where)
+        if error is None:  # pragma: no cover - every class in _HUB_FAILURES is described
+            raise
+        raise error from exc
+    except RuntimeError as exc:
+        cause = exc.__cause__
+        described = describe_hub_error(cause, subject=where) if cause is not None else None
+        if described is not None:
+            raise described from exc
+        raise HubError(f"{where}: the transfer failed in {'hf_xet' if cause is None else type(cause).__name__} "
+                       f"({type(exc).__name__}: {_first_line(exc)}); rerun to resume (finished files and "
+                       f"chunks are kept)") from exc
+    except OSError as exc:
+        if cache is not None and exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS):
+            raise OutputError(f"{where}: cannot write the Hub cache {cache} ({exc.strerror}); free space or set "
+                              f"HF_HUB_CACHE to another disk, then rerun (it resumes)") from exc
+        raise
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -228,10 +278,11 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
     api = api if api is not None else make_api()
     with hub_errors(ref.text):
         sha = _resolve_sha(api, ref)
-        patterns = SMALL_FILE_PATTERNS + (WEIGHT_PATTERNS if purpose == "full" else ())
-        folder = Path(api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(patterns),
+        folder = Path(api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(SMALL_FILE_PATTERNS),
                                             ignore_patterns=list(IGNORE_PATTERNS),
                                             local_files_only=constants.is_offline_mode()))
+    if purpose == "full":
+        _download_weights(api, ref, sha, folder)
     source = LocalSource(path=folder, repo_id=ref.repo_id, revision=ref.revision or constants.DEFAULT_REVISION,
                          revision_sha=sha)
     missing = _missing_files(folder)
@@ -243,6 +294,40 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
         shards, indexed = _remote_shards(api, ref.repo_id, sha, folder)
     return LocalSource(path=folder, repo_id=ref.repo_id, revision=source.revision, revision_sha=sha,
                        remote_shards=shards, remote_indexed=indexed)
+
+
+def _download_weights(api: Any, ref: RepoRef, sha: str, folder: Path) -> None:
+    """The weights, one file per call so that a failure names its file: the shards the index names, else
+    model.safetensors; a repo with neither gets every top-level *.safetensors in one snapshot call."""
+    offline = constants.is_offline_mode()
+    cache = Path(constants.HF_HUB_CACHE)
+    for name in _indexed_shards(folder):
+        if (folder / name).is_file() or offline:
+            continue  # cached; or offline, where resolve_source names the first missing file and why
+        try:
+            with transfer_errors(ref.text, name, cache=cache):
+                api.hf_hub_download(ref.repo_id, name, revision=sha)
+        except HubError as exc:
+            if name != SINGLE_NAME or not isinstance(exc.__cause__, RemoteEntryNotFoundError):
+                raise
+            with transfer_errors(ref.text, "*.safetensors", cache=cache):  # unindexed, not model.safetensors
+                api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(WEIGHT_PATTERNS),
+                                      ignore_patterns=list(IGNORE_PATTERNS), local_files_only=offline)
+
+
+def _indexed_shards(folder: Path) -> list[str]:
+    """Plain shard names from the snapshot's index ([model.safetensors] without one; [] for an index
+    read_checkpoint will reject, or no config: it reports those as a bad checkpoint)."""
+    if not (folder / "config.json").is_file():
+        return []
+    index_path = folder / INDEX_NAME
+    if not index_path.is_file():
+        return [SINGLE_NAME]
+    try:
+        names = sorted(set(json.loads(index_path.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+    except (ValueError, AttributeError, TypeError):
+        return []
+    return [name for name in names if isinstance(name, str) and Path(name).name == name]
 
 
 def _resolve_sha(api: Any, ref: RepoRef) -> str:
@@ -522,7 +607,8 @@ def execute_upload(plan: UploadPlan, *, api: Any) -> list[UploadResult]:
             if request.revision and not request.create_pr and request.revision != constants.DEFAULT_REVISION \
                     and not request.revision.startswith("refs/pr/"):
                 api.create_branch(item.repo_id, branch=request.revision, repo_type="model", exist_ok=True)
-            with staged_folder(item) as folder:
+            with staged_folder(item) as folder, \
+                    transfer_errors(item.repo_id, f"uploading {item.directory} ({len(item.files)} files)"):
                 info = api.upload_folder(repo_id=item.repo_id, folder_path=folder, repo_type="model",
                                          revision=request.revision, create_pr=request.create_pr,
                                          commit_message=request.commit_message or _commit_message(item))

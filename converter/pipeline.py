@@ -37,6 +37,9 @@ class ConvertRequest:
     max_shard_bytes: int | None = None
     # role ("single", "target", "assistant") -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
+    # source path -> its Checkpoint when already read another way (Hub headers over HTTP, hub.open_checkpoint);
+    # every other source is read with read_checkpoint
+    opened: Mapping[Path, Checkpoint] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     """
     sources = _sources(request)
     layout = get_layout(request.layout)
-    checkpoints = {role: read_checkpoint(path) for role, path in sources.items()}
+    checkpoints = {role: request.opened.get(path) or read_checkpoint(path) for role, path in sources.items()}
     _check_output(request, list(sources.values()))
     warnings: list[str] = []
     for role, checkpoint in checkpoints.items():
