@@ -49,6 +49,7 @@ from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
 from .io.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
                             VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
 from .io.safetensors_header import ShardHeader, shard_from_entries
+from .provenance import infer_base_model, public_manifest, scrub_paths
 
 Purpose = Literal["headers", "full"]
 
@@ -428,6 +429,7 @@ class UploadFile:
     path_in_repo: str
     size: int
     local: Path | None  # None for the generated card (its text is on the item)
+    content: bytes | None = None  # what is sent instead of `local`: conversion.json / verification.json without paths
 
 
 @dataclass(frozen=True)
@@ -449,6 +451,7 @@ class UploadItem:
 class UploadPlan:
     request: UploadRequest
     items: tuple[UploadItem, ...]
+    unknown_base: tuple[Path, ...] = ()  # checkpoints whose card says base model "unknown"
 
 
 @dataclass(frozen=True)
@@ -490,19 +493,36 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
                          "refs/pr/N without --create-pr to add to an existing PR)")
     manifests = {role: _read_manifest(directory) for role, directory in dirs.items()}
     serve_repos = _serve_repos(request.repos, manifests)
-    items = []
+    items, unknown = [], []
     for role, directory in dirs.items():
-        verification = _read_verification(request, directory)
         manifest = manifests[role]
-        card = render_card(manifest=manifest, verification=verification, repo_id=request.repos[role],
+        base = infer_base_model(manifest, override=request.base_model)
+        if base is None:
+            unknown.append(directory)
+        private = _private_paths(request.dst, directory, manifest)
+        public = public_manifest(manifest, base=base, private=private)
+        verification = _read_verification(request, directory)
+        public_verification = scrub_paths(verification, private) if verification is not None else None
+        card = render_card(manifest=public, verification=public_verification, repo_id=request.repos[role],
                            target_repo=serve_repos.get(ROLE_TARGET), assistant_repo=serve_repos.get(ROLE_ASSISTANT),
-                           base_model=request.base_model or manifest.get("source", {}).get("repo_id"),
+                           base_model=base.repo_id if base else None,
                            source_front_matter=_front_matter(directory / CARD_NAME),
                            source_card=(directory / CARD_NAME).is_file())
+        rewritten = {MANIFEST_NAME: public}
+        if (directory / VERIFICATION_NAME).is_file():
+            rewritten[VERIFICATION_NAME] = scrub_paths(read_json(directory / VERIFICATION_NAME), private)
         items.append(UploadItem(role=role, kind=str(manifest.get("role")), layout=str(manifest.get("layout")),
                                 directory=directory, repo_id=request.repos[role],
-                                files=_upload_files(directory, manifest, card), card=card))
-    return UploadPlan(request=request, items=tuple(items))
+                                files=_upload_files(directory, card, rewritten), card=card))
+    return UploadPlan(request=request, items=tuple(items), unknown_base=tuple(unknown))
+
+
+def _private_paths(dst: Path, directory: Path, manifest: Mapping[str, Any]) -> list[str]:
+    """Paths of this machine that must not reach the Hub (provenance.scrub_paths rewrites them)."""
+    paths = {str((manifest.get("source") or {}).get("path") or ""), os.path.expanduser("~")}
+    for path in (dst, directory):
+        paths |= {str(path.absolute()), str(path.resolve())}
+    return sorted(p for p in paths if p not in ("", "/"))
 
 
 def _repo_usage(request: UploadRequest, dirs: dict[str, Path]) -> str:
@@ -563,23 +583,31 @@ def _front_matter(readme: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _upload_files(directory: Path, manifest: Mapping[str, Any], card: str) -> tuple[UploadFile, ...]:
+def _upload_files(directory: Path, card: str, rewritten: Mapping[str, Any]) -> tuple[UploadFile, ...]:
+    """The card, then every top-level file; `rewritten` (name -> JSON document) replaces a file's content."""
     files = [UploadFile(path_in_repo=CARD_NAME, size=len(card.encode("utf-8")), local=None)]
     for path in sorted(directory.iterdir()):
         if not path.is_file() or path.name.startswith("."):
             continue
         name = SOURCE_CARD_NAME if path.name == CARD_NAME else path.name
-        files.append(UploadFile(path_in_repo=name, size=path.stat().st_size, local=path))
+        if path.name in rewritten:
+            content = (json.dumps(rewritten[path.name], indent=2) + "\n").encode("utf-8")
+            files.append(UploadFile(path_in_repo=name, size=len(content), local=path, content=content))
+        else:
+            files.append(UploadFile(path_in_repo=name, size=path.stat().st_size, local=path))
     return tuple(files)
 
 
 @contextmanager
 def staged_folder(item: UploadItem) -> Iterator[Path]:
-    """A temporary folder of symlinks to the item's files plus the card: what upload_folder sends, DST untouched."""
+    """A temporary folder of symlinks to the item's files, plus the card and the path-free JSON files: what
+    upload_folder sends; DST untouched."""
     with tempfile.TemporaryDirectory(prefix="gemma4-upload-") as tmp:
         root = Path(tmp)
         for f in item.files:
-            if f.local is None:
+            if f.content is not None:
+                (root / f.path_in_repo).write_bytes(f.content)
+            elif f.local is None:
                 (root / f.path_in_repo).write_text(item.card, encoding="utf-8")
             else:
                 os.symlink(f.local.resolve(), root / f.path_in_repo)

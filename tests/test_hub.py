@@ -198,6 +198,8 @@ class FakeHfApi:
             "repo_id": kwargs["repo_id"],
             "files": {p.name: (p.resolve() if p.is_symlink() else None) for p in sorted(folder.iterdir())},
             "card": (folder / "README.md").read_text(encoding="utf-8"),
+            # what the Hub would store: every file's bytes (KB-sized test checkpoints)
+            "contents": {p.name: p.read_bytes() for p in sorted(folder.iterdir())},
         })
         pr = "https://huggingface.co/x/discussions/1" if kwargs.get("create_pr") else None
         return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/{SHA_V2}", pr_url=pr)
@@ -501,7 +503,7 @@ def test_card_for_an_assistant_without_verification_or_base_model(converted):
                        base_model=None)
     meta = yaml.safe_load(card.split("---\n", 2)[1])
     assert "base_model" not in meta and "base_model_relation" not in meta
-    assert "a local checkpoint (`assistant`)" in card and str(converted) not in card
+    assert "a local checkpoint (`assistant`; base model: unknown)" in card and str(converted) not in card
     assert "vllm serve <TARGET converted the same way> --speculative-config" in card
     assert "None of its own" in card and "**Not verified**" in card
 
@@ -613,7 +615,7 @@ UPLOADING = "error: me/t: uploading "
 ])
 def test_upload_failures_exit_5_with_one_line(converted, monkeypatch, run_cli, method, exc, prefix, cause):
     use_api(monkeypatch, FakeHfApi(raises={method: exc}))
-    result = run_cli("upload", converted / "target", "me/t")
+    result = run_cli("upload", converted / "target", "me/t", "--base-model", "acme/gemma-4-tiny")
     assert result.code == 5, result.err
     assert result.err.startswith(prefix) and result.err.count("\n") == 1, result.err
     assert cause in result.err
@@ -673,3 +675,82 @@ def test_verify_from_repo_ids_then_upload_card_shows_its_report(sources, offline
     assert "**PASSED** on `cpu" in target_card and "byte-identical copies" in target_card
     assert "| target layer 0 (sliding_attention) |" in target_card
     assert f"base_model: {TARGET_REPO}" in target_card
+
+
+# ------------------------------------------------------------------------------------------ what leaves this machine
+
+
+def _card_meta(text: str) -> dict:
+    return yaml.safe_load(text.split("---\n", 2)[1])
+
+
+def test_uploaded_files_hold_no_local_path(sources, tmp_path, monkeypatch, run_cli):
+    """A local pair, converted and verified for real, then uploaded: no byte sent names a path of this machine."""
+    local = tmp_path / "my-models"
+    shutil.copytree(sources, local)
+    out = tmp_path / "work" / "dst"
+    assert run_cli("convert", "--target", local / "target", "--assistant", local / "assistant", "--out", out,
+                   "--layout", "pad-global").code == 0
+    assert run_cli("verify", "--target", local / "target", "--assistant", local / "assistant", "--converted", out,
+                   "--device", "cpu").code == 0
+    on_disk = json.loads((out / "target" / MANIFEST_NAME).read_text())
+    assert on_disk["source"]["path"] == str((local / "target").resolve())  # kept locally: re-conversion refusal
+    api = FakeHfApi()
+    use_api(monkeypatch, api)
+    result = run_cli("upload", out, "--target-repo", "me/t", "--assistant-repo", "me/a")
+    assert result.code == 0, result.err
+    private = [str(tmp_path), str(tmp_path.resolve()), os.path.expanduser("~") + "/"]
+    for upload in api.uploads:
+        for name, data in upload["contents"].items():
+            for path in private:
+                assert path.encode() not in data, f"{upload['repo_id']}/{name} holds {path}"
+        manifest = json.loads(upload["contents"][MANIFEST_NAME])
+        role = manifest["role"]
+        assert manifest["source"]["name"] == role and "path" not in manifest["source"]
+        assert manifest["source"]["files"] == on_disk["source"]["files"] if role == "target" else True
+        assert json.loads(upload["contents"][VERIFICATION_NAME])["passed"] is True
+    # the line that says so
+    assert result.err.count("note: base model unknown for ") == 1 and result.err.count("\n") == 1
+    assert "pass --base-model OWNER/NAME" in result.err
+    assert "base model: unknown" in api.uploads[0]["card"] and "base_model" not in _card_meta(api.uploads[0]["card"])
+    assert not (out / "target" / "README.source.md").exists()  # DST untouched
+    assert json.loads((out / "target" / MANIFEST_NAME).read_text()) == on_disk
+
+
+def test_base_model_inferred_from_a_local_hf_cache_snapshot_path(sources, offline_hub, tmp_path, monkeypatch,
+                                                               run_cli):
+    snapshot = cache_repo(offline_hub, ASSISTANT_REPO, SHA_V2, sources / "assistant")
+    out = tmp_path / "single"
+    assert run_cli("convert", snapshot, "--out", out, "--layout", "per-layer").code == 0  # a path, not a repo id
+    assert "repo_id" not in json.loads((out / MANIFEST_NAME).read_text())["source"]
+    api = FakeHfApi()
+    use_api(monkeypatch, api)
+    result = run_cli("upload", out, "me/a", "--no-verify")
+    assert result.code == 0, result.err
+    assert "note:" not in result.err
+    card = api.uploads[0]["card"]
+    assert _card_meta(card)["base_model"] == ASSISTANT_REPO and f"at commit `{SHA_V2}`" in card
+    source = json.loads(api.uploads[0]["contents"][MANIFEST_NAME])["source"]
+    assert (source["repo_id"], source["revision"]) == (ASSISTANT_REPO, SHA_V2) and "name" not in source
+    assert str(offline_hub).encode() not in api.uploads[0]["contents"][MANIFEST_NAME]
+
+
+def test_base_model_inferred_from_a_repo_id_shaped_name_or_path(sources, tmp_path, monkeypatch, run_cli):
+    src = tmp_path / "downloaded-once"
+    shutil.copytree(sources / "assistant", src)
+    config = json.loads((src / "config.json").read_text())
+    config["_name_or_path"] = "google/gemma-4-31B-it-assistant"
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "single"
+    assert run_cli("convert", src, "--out", out, "--layout", "per-layer").code == 0
+    use_api(monkeypatch, ExplodingApi())
+    result = run_cli("upload", out, "me/a", "--dry-run", "--no-verify")
+    assert result.code == 0 and "note:" not in result.err, result.err
+    meta = _card_meta(result.out.split("--- me/a/README.md ---\n", 1)[1])
+    assert meta["base_model"] == "google/gemma-4-31B-it-assistant"
+    config["_name_or_path"] = "/home/someone/checkpoints/gemma"  # a path is no repo id
+    (src / "config.json").write_text(json.dumps(config))
+    assert run_cli("convert", src, "--out", out, "--layout", "per-layer", "--force").code == 0
+    result = run_cli("upload", out, "me/a", "--dry-run", "--no-verify")
+    assert result.code == 0 and result.err.startswith("note: base model unknown for ")
+    assert "base_model" not in _card_meta(result.out.split("--- me/a/README.md ---\n", 1)[1])
