@@ -105,7 +105,8 @@ def _summary(manifest: Mapping[str, Any], role: str, base_model: str | None) -> 
         revision = source.get("revision") if source.get("repo_id") == base_model else None
         origin = f"[{base_model}](https://huggingface.co/{base_model})" + (f" at commit `{revision}`" if revision else "")
     else:
-        origin = f"a local checkpoint (`{str(source.get('path', '?')).rstrip('/').split('/')[-1]}`)"
+        name = source.get("name") or str(source.get("path", "?")).rstrip("/").split("/")[-1]
+        origin = f"a local checkpoint (`{name}`; base model: unknown)"
     actions: dict[str, int] = {}
     for tensor in manifest.get("tensors", []):
         actions[tensor.get("action", "?")] = actions.get(tensor.get("action", "?"), 0) + 1

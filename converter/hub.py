@@ -13,6 +13,7 @@ HubError (exit 5) in `describe_hub_error`; a re-run resumes (downloads skip cach
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -23,11 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
 
 from . import __version__
-from .errors import ConverterError, HubError, InputError, UsageError, VerificationFailed
+from .errors import ConverterError, HubError, InputError, OutputError, UsageError, VerificationFailed
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
 from .io.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
                             VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
 from .io.safetensors_header import ShardHeader, shard_from_entries
+from .provenance import infer_base_model, public_manifest, scrub_paths
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -148,7 +150,7 @@ def _offline_reason() -> str:
 
 
 def _repo_of(subject: str) -> str:
-    return subject.split("@", 1)[0]
+    return subject.split(":", 1)[0].split("@", 1)[0]
 
 
 def _hub_failures() -> tuple[type[BaseException], ...]:
@@ -173,6 +175,55 @@ def hub_errors(subject: str) -> Iterator[None]:
         if error is None:  # pragma: no cover - every class in _HUB_FAILURES is described
             raise
         raise error from exc
+
+
+def _xet_error(name: str) -> type[BaseException] | tuple[()]:
+    """hf_xet's exception class `name`, imported when an except clause needs it (hf_xet is optional for
+    huggingface_hub; without it no transfer can raise these, and the empty tuple matches nothing)."""
+    try:
+        import hf_xet
+    except ImportError:  # pragma: no cover - installed with huggingface_hub on every platform we support
+        return ()
+    return getattr(hf_xet, name)
+
+
+@contextmanager
+def transfer_errors(subject: str, what: str, *, cache: Path | None = None) -> Iterator[None]:
+    """Like hub_errors around ONE transfer call (a file download, a folder upload), naming `what` was moved.
+
+    hf_xet raises XetAuthenticationError (a PermissionError), XetObjectNotFoundError (a FileNotFoundError) and,
+    for everything else (network, CAS, reconstruction), a plain RuntimeError; the LFS path wraps its HTTP errors
+    in a RuntimeError too (`raise RuntimeError(...) from exc`, _commit_api.py). Inside this one call a
+    RuntimeError can only come from the transfer, so it is described by type and cause, never by its text.
+    `cache`: where a download writes; no space or no permission there is an output problem (exit 4).
+    """
+    where = f"{subject}: {what}"
+    try:
+        yield
+    except _xet_error("XetAuthenticationError") as exc:
+        raise HubError(f"{where}: hf_xet storage refused the credentials ({_first_line(exc)}); the token "
+                       f"(HF_TOKEN) needs access to this repo; rerun to resume") from exc
+    except _xet_error("XetObjectNotFoundError") as exc:
+        raise HubError(f"{where}: hf_xet storage has no such object ({_first_line(exc)}); rerun later "
+                       f"(it resumes)") from exc
+    except _hub_failures() as exc:
+        error = describe_hub_error(exc, subject=where)
+        if error is None:  # pragma: no cover - every class in _HUB_FAILURES is described
+            raise
+        raise error from exc
+    except RuntimeError as exc:
+        cause = exc.__cause__
+        described = describe_hub_error(cause, subject=where) if cause is not None else None
+        if described is not None:
+            raise described from exc
+        raise HubError(f"{where}: the transfer failed in {'hf_xet' if cause is None else type(cause).__name__} "
+                       f"({type(exc).__name__}: {_first_line(exc)}); rerun to resume (finished files and "
+                       f"chunks are kept)") from exc
+    except OSError as exc:
+        if cache is not None and exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS):
+            raise OutputError(f"{where}: cannot write the Hub cache {cache} ({exc.strerror}); free space or set "
+                              f"HF_HUB_CACHE to another disk, then rerun (it resumes)") from exc
+        raise
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -248,10 +299,11 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
     api = api if api is not None else make_api()
     with hub_errors(ref.text):
         sha = _resolve_sha(api, ref)
-        patterns = SMALL_FILE_PATTERNS + (WEIGHT_PATTERNS if purpose == "full" else ())
-        folder = Path(api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(patterns),
+        folder = Path(api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(SMALL_FILE_PATTERNS),
                                             ignore_patterns=list(IGNORE_PATTERNS),
                                             local_files_only=constants.is_offline_mode()))
+    if purpose == "full":
+        _download_weights(api, ref, sha, folder)
     source = LocalSource(path=folder, repo_id=ref.repo_id, revision=ref.revision or constants.DEFAULT_REVISION,
                          revision_sha=sha)
     missing = _missing_files(folder)
@@ -263,6 +315,43 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
         shards, indexed = _remote_shards(api, ref.repo_id, sha, folder)
     return LocalSource(path=folder, repo_id=ref.repo_id, revision=source.revision, revision_sha=sha,
                        remote_shards=shards, remote_indexed=indexed)
+
+
+def _download_weights(api: Any, ref: RepoRef, sha: str, folder: Path) -> None:
+    """The weights, one file per call so that a failure names its file: the shards the index names, else
+    model.safetensors; a repo with neither gets every top-level *.safetensors in one snapshot call."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    offline = constants.is_offline_mode()
+    cache = Path(constants.HF_HUB_CACHE)
+    for name in _indexed_shards(folder):
+        if (folder / name).is_file() or offline:
+            continue  # cached; or offline, where resolve_source names the first missing file and why
+        try:
+            with transfer_errors(ref.text, name, cache=cache):
+                api.hf_hub_download(ref.repo_id, name, revision=sha)
+        except HubError as exc:
+            if name != SINGLE_NAME or not isinstance(exc.__cause__, RemoteEntryNotFoundError):
+                raise
+            with transfer_errors(ref.text, "*.safetensors", cache=cache):  # unindexed, not model.safetensors
+                api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(WEIGHT_PATTERNS),
+                                      ignore_patterns=list(IGNORE_PATTERNS), local_files_only=offline)
+
+
+def _indexed_shards(folder: Path) -> list[str]:
+    """Plain shard names from the snapshot's index ([model.safetensors] without one; [] for an index
+    read_checkpoint will reject, or no config: it reports those as a bad checkpoint)."""
+    if not (folder / "config.json").is_file():
+        return []
+    index_path = folder / INDEX_NAME
+    if not index_path.is_file():
+        return [SINGLE_NAME]
+    try:
+        names = sorted(set(json.loads(index_path.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+    except (ValueError, AttributeError, TypeError):
+        return []
+    return [name for name in names if isinstance(name, str) and Path(name).name == name]
 
 
 def _resolve_sha(api: Any, ref: RepoRef) -> str:
@@ -365,6 +454,7 @@ class UploadFile:
     path_in_repo: str
     size: int
     local: Path | None  # None for the generated card (its text is on the item)
+    content: bytes | None = None  # what is sent instead of `local`: conversion.json / verification.json without paths
 
 
 @dataclass(frozen=True)
@@ -386,6 +476,7 @@ class UploadItem:
 class UploadPlan:
     request: UploadRequest
     items: tuple[UploadItem, ...]
+    unknown_base: tuple[Path, ...] = ()  # checkpoints whose card says base model "unknown"
 
 
 @dataclass(frozen=True)
@@ -428,21 +519,38 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
                          "refs/pr/N without --create-pr to add to an existing PR)")
     manifests = {role: _read_manifest(directory) for role, directory in dirs.items()}
     serve_repos = _serve_repos(request.repos, manifests)
-    items = []
+    items, unknown = [], []
     for role, directory in dirs.items():
-        verification = _read_verification(request, directory)
         manifest = manifests[role]
         from .card import render_card  # yaml and the layouts: only an upload needs them
 
-        card = render_card(manifest=manifest, verification=verification, repo_id=request.repos[role],
+        base = infer_base_model(manifest, override=request.base_model)
+        if base is None:
+            unknown.append(directory)
+        private = _private_paths(request.dst, directory, manifest)
+        public = public_manifest(manifest, base=base, private=private)
+        verification = _read_verification(request, directory)
+        public_verification = scrub_paths(verification, private) if verification is not None else None
+        card = render_card(manifest=public, verification=public_verification, repo_id=request.repos[role],
                            target_repo=serve_repos.get(ROLE_TARGET), assistant_repo=serve_repos.get(ROLE_ASSISTANT),
-                           base_model=request.base_model or manifest.get("source", {}).get("repo_id"),
+                           base_model=base.repo_id if base else None,
                            source_front_matter=_front_matter(directory / CARD_NAME),
                            source_card=(directory / CARD_NAME).is_file())
+        rewritten = {MANIFEST_NAME: public}
+        if (directory / VERIFICATION_NAME).is_file():
+            rewritten[VERIFICATION_NAME] = scrub_paths(read_json(directory / VERIFICATION_NAME), private)
         items.append(UploadItem(role=role, kind=str(manifest.get("role")), layout=str(manifest.get("layout")),
                                 directory=directory, repo_id=request.repos[role],
-                                files=_upload_files(directory, manifest, card), card=card))
-    return UploadPlan(request=request, items=tuple(items))
+                                files=_upload_files(directory, card, rewritten), card=card))
+    return UploadPlan(request=request, items=tuple(items), unknown_base=tuple(unknown))
+
+
+def _private_paths(dst: Path, directory: Path, manifest: Mapping[str, Any]) -> list[str]:
+    """Paths of this machine that must not reach the Hub (provenance.scrub_paths rewrites them)."""
+    paths = {str((manifest.get("source") or {}).get("path") or ""), os.path.expanduser("~")}
+    for path in (dst, directory):
+        paths |= {str(path.absolute()), str(path.resolve())}
+    return sorted(p for p in paths if p not in ("", "/"))
 
 
 def _repo_usage(request: UploadRequest, dirs: dict[str, Path]) -> str:
@@ -503,23 +611,31 @@ def _front_matter(readme: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _upload_files(directory: Path, manifest: Mapping[str, Any], card: str) -> tuple[UploadFile, ...]:
+def _upload_files(directory: Path, card: str, rewritten: Mapping[str, Any]) -> tuple[UploadFile, ...]:
+    """The card, then every top-level file; `rewritten` (name -> JSON document) replaces a file's content."""
     files = [UploadFile(path_in_repo=CARD_NAME, size=len(card.encode("utf-8")), local=None)]
     for path in sorted(directory.iterdir()):
         if not path.is_file() or path.name.startswith("."):
             continue
         name = SOURCE_CARD_NAME if path.name == CARD_NAME else path.name
-        files.append(UploadFile(path_in_repo=name, size=path.stat().st_size, local=path))
+        if path.name in rewritten:
+            content = (json.dumps(rewritten[path.name], indent=2) + "\n").encode("utf-8")
+            files.append(UploadFile(path_in_repo=name, size=len(content), local=path, content=content))
+        else:
+            files.append(UploadFile(path_in_repo=name, size=path.stat().st_size, local=path))
     return tuple(files)
 
 
 @contextmanager
 def staged_folder(item: UploadItem) -> Iterator[Path]:
-    """A temporary folder of symlinks to the item's files plus the card: what upload_folder sends, DST untouched."""
+    """A temporary folder of symlinks to the item's files, plus the card and the path-free JSON files: what
+    upload_folder sends; DST untouched."""
     with tempfile.TemporaryDirectory(prefix="gemma4-upload-") as tmp:
         root = Path(tmp)
         for f in item.files:
-            if f.local is None:
+            if f.content is not None:
+                (root / f.path_in_repo).write_bytes(f.content)
+            elif f.local is None:
                 (root / f.path_in_repo).write_text(item.card, encoding="utf-8")
             else:
                 os.symlink(f.local.resolve(), root / f.path_in_repo)
@@ -548,7 +664,8 @@ def execute_upload(plan: UploadPlan, *, api: Any) -> list[UploadResult]:
             if request.revision and not request.create_pr and request.revision != constants.DEFAULT_REVISION \
                     and not request.revision.startswith("refs/pr/"):
                 api.create_branch(item.repo_id, branch=request.revision, repo_type="model", exist_ok=True)
-            with staged_folder(item) as folder:
+            with staged_folder(item) as folder, \
+                    transfer_errors(item.repo_id, f"uploading {item.directory} ({len(item.files)} files)"):
                 info = api.upload_folder(repo_id=item.repo_id, folder_path=folder, repo_type="model",
                                          revision=request.revision, create_pr=request.create_pr,
                                          commit_message=request.commit_message or _commit_message(item))

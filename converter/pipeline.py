@@ -13,6 +13,7 @@ from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
 from .io.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
+from .io.lock import output_lock
 from .io.writer import (LINK_MODES, SequentialReader, make_directory, place_file, staged_directory, write_json,
                         write_shard)
 from .layouts import get_layout
@@ -39,6 +40,9 @@ class ConvertRequest:
     link: str = "auto"  # how unchanged files get into the output: io.writer.LINK_MODES
     # role ("single", "target", "assistant") -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
+    # source path -> its Checkpoint when already read another way (Hub headers over HTTP, hub.open_checkpoint);
+    # every other source is read with read_checkpoint
+    opened: Mapping[Path, Checkpoint] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     if request.link not in LINK_MODES:
         raise UsageError(f"unknown --link {request.link!r}; choose one of {', '.join(LINK_MODES)}")
     layout = get_layout(request.layout)
-    checkpoints = {role: read_checkpoint(path) for role, path in sources.items()}
+    checkpoints = {role: request.opened.get(path) or read_checkpoint(path) for role, path in sources.items()}
     _check_output(request, list(sources.values()))
     warnings: list[str] = []
     for role, checkpoint in checkpoints.items():
@@ -176,20 +180,26 @@ def _refuse_reconversion(checkpoint: Checkpoint) -> None:
 def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n: None) -> ConvertResult:
     """Writes the planned output under a staging name beside it, then renames it into place.
 
+    The output's lock (io/lock.py) is held throughout: a second writer into the same DST is refused at once.
+
     Raises:
-        OutputError: when writing fails (nothing is left behind).
+        OutputError: when writing fails (nothing is left behind), or another process is writing DST.
     """
     outputs: dict[str, dict[str, str | None]] = {}
     made: dict[str, str] = {}
     paired = plan.pair is not None
-    with staged_directory(plan.request.out, replace=plan.request.force) as staging:
-        for item in plan.items:
-            directory = staging / item.subdir if item.subdir else staging
-            make_directory(directory)
-            outputs[item.subdir], how = _write_checkpoint(item, directory, link=plan.request.link, paired=paired,
-                                                          warnings=plan.warnings, on_bytes=on_bytes,
-                                                          origin=plan.request.origins.get(item.subdir or "single"))
-            made.update({f"{item.subdir}/{name}".lstrip("/"): h for name, h in how.items()})
+    with output_lock(plan.request.out):
+        if plan.request.out.exists() and not plan.request.force:  # another run finished it since we planned
+            raise OutputError(f"{plan.request.out} already exists; choose a new directory or pass --force")
+        with staged_directory(plan.request.out, replace=plan.request.force) as staging:
+            for item in plan.items:
+                directory = staging / item.subdir if item.subdir else staging
+                make_directory(directory)
+                outputs[item.subdir], how = _write_checkpoint(item, directory, link=plan.request.link,
+                                                              paired=paired, warnings=plan.warnings,
+                                                              on_bytes=on_bytes,
+                                                              origin=plan.request.origins.get(item.subdir or "single"))
+                made.update({f"{item.subdir}/{name}".lstrip("/"): h for name, h in how.items()})
     return ConvertResult(plan=plan, output_files=outputs, made=made)
 
 

@@ -9,12 +9,12 @@ from collections import Counter
 from typing import Any
 
 from .cost import kv_costs
-from .errors import InputError
 from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec
 from .io.checkpoint import Checkpoint
 from .layouts import get_layout
-from .layouts.base import AttentionTensor, check_attention_tensors, expected_shape, find_attention_tensors
+from .layouts.base import AttentionTensor, attention_problems, expected_shape, find_attention_tensors
 from .quantization import weight_scheme
+from .vllm_loading import RAISES, TensorLoad, predict_weight_loading
 
 REPORT_VERSION = 1
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
@@ -24,7 +24,8 @@ def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
     """The inspect document for one checkpoint (see README.md, "inspect --json keys")."""
     spec = checkpoint.spec
     attention_tensors = list(find_attention_tensors(checkpoint))
-    problems = _problems(checkpoint, attention_tensors)
+    contradictions = attention_problems(attention_tensors, spec, source=str(checkpoint.path))
+    problems = [p.message for p in contradictions] + _dtype_problems(checkpoint, attention_tensors)
     recognized = _recognized_layout(checkpoint)
     return {
         "report_version": REPORT_VERSION,
@@ -44,7 +45,7 @@ def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         "total_bytes": checkpoint.total_bytes,
         "quantization": _quantization(spec),
         "conversion": _conversion(checkpoint, recognized),
-        "vllm_0_27": predict_vllm(spec, attention_tensors),
+        "vllm_0_27": predict_vllm(spec, attention_tensors, predict_weight_loading(contradictions, spec)),
         "recommendation": _recommendation(spec, recognized),
         "kv_cache_bytes_per_token": [
             {"context": c.context, "current": c.before, "pad_global": c.after, "ratio": None if c.ratio is None else round(c.ratio, 3)}
@@ -122,12 +123,18 @@ def _quantization(spec: ModelSpec) -> dict[str, Any] | None:
             "attention_schemes": schemes, "ignore": list(config.get("ignore") or []), "config": dict(config)}
 
 
-def _problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
-    try:
-        check_attention_tensors(tensors, checkpoint.spec, source=str(checkpoint.path))
-    except InputError as exc:
-        return [str(exc)]
-    return []
+def _dtype_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
+    """Attention weights of an unquantized checkpoint in more than one dtype (vLLM casts all to the model dtype)."""
+    if checkpoint.spec.quantization:
+        return []  # fp8 weights beside bf16 norms and scales are the scheme, not a fault
+    dtypes = Counter(t.source.ref.dtype for t in tensors)
+    if len(dtypes) < 2:
+        return []
+    rare = min(dtypes, key=lambda d: dtypes[d])
+    example = next(t.source.ref.name for t in tensors if t.source.ref.dtype == rare)
+    counts = ", ".join(f"{d} x{n}" for d, n in dtypes.most_common())
+    return [f"{checkpoint.path}: attention tensors mix dtypes ({counts}; e.g. {example} is {rare}); vLLM 0.27 "
+            f"casts each to the model dtype on load (param.data.copy_), so they do not keep their precision"]
 
 
 def _recognized_layout(checkpoint: Checkpoint) -> str | None:
@@ -147,8 +154,12 @@ def _conversion(checkpoint: Checkpoint, recognized: str | None) -> dict[str, Any
             "converted_with_pair": manifest.get("converted_with_pair"), "warnings": manifest.get("warnings", [])}
 
 
-def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor]) -> dict[str, Any]:
-    """What stock vLLM 0.27.0 does with this config (FACTS.md section 3), per transformers generation."""
+def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[TensorLoad] = ()) -> dict[str, Any]:
+    """What stock vLLM 0.27.0 does with this config (FACTS.md section 3), per transformers generation.
+
+    `loads`: what its weight loaders do with tensors that contradict the config (vllm_loading.py); where the
+    config itself loads, they decide the outcome: "fails" (the error the first one raises) or "loads wrong".
+    """
     a = spec.attention
     fused = any(t.from_fused for t in tensors)
     has_per_layer = spec.dialect != DIALECT_LEGACY
@@ -172,7 +183,30 @@ def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor]) -> dict[str, A
                 "full layers with the sliding geometry; a target k_eq_v layer then fails with 'start (0) + length "
                 f"({a.num_kv_heads * a.head_dim}) exceeds dimension size ({a.num_global_kv_heads * a.global_head_dim})'"
                 " and draft q_proj/o_proj are silently truncated (garbage outputs)")
-    return {"transformers<5.15": old, "transformers>=5.15": new, "silent_truncation_risk": risk}
+    weights = _weights_verdict(list(loads))
+    if weights is not None:
+        old = weights if old["outcome"] == "loads" else old
+        new = weights if new["outcome"] == "loads" else new
+    return {"transformers<5.15": old, "transformers>=5.15": new, "silent_truncation_risk": risk,
+            "weights": [load.to_json() for load in loads]}
+
+
+def _weights_verdict(loads: list[TensorLoad]) -> dict[str, Any] | None:
+    if not loads:
+        return None
+    more = f"; {len(loads) - 1} more contradicting tensor(s), see --json `weights`" if len(loads) > 1 else ""
+    raising = [load for load in loads if load.effect == RAISES]
+    if raising:
+        first = raising[0]
+        return {"outcome": "fails", "error": first.error,
+                "detail": f"while loading weights, at {first.tensor}: {first.detail} (vLLM 0.27.0 {first.where}; "
+                          f"it stops at the first such tensor it reads){more}"}
+    first = loads[0]
+    return {"outcome": "loads wrong", "error": None,
+            "detail": f"no error, but {first.tensor}: {first.detail} (vLLM 0.27.0 {first.where}){more}"}
+
+
+
 
 
 def _recommendation(spec: ModelSpec, recognized: str | None) -> dict[str, Any]:

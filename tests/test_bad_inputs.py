@@ -207,6 +207,18 @@ def _sliding_override(p: Pair) -> list[str]:
     return _single(p)
 
 
+def _attention_dtype(dtype: str) -> Callable[[Pair], list[str]]:
+    """One q_proj's header dtype changed to another 2-byte float: the bytes still fit, only the dtype is off."""
+    def setup(p: Pair) -> list[str]:
+        def edit(header: dict, data: bytes) -> tuple[dict, bytes]:
+            name = next(k for k in sorted(header) if k.endswith("self_attn.q_proj.weight"))
+            header[name]["dtype"] = dtype
+            return header, data
+        _rewrite_shard(p.target / SHARD1, edit)
+        return ["inspect", str(p.target)]
+    return setup
+
+
 # ---------------------------------------------------------------------------------------------- the table
 
 @dataclass(frozen=True)
@@ -285,6 +297,12 @@ CASES = [
          lambda p: ["convert", "--target", str(p.assistant), "--out", str(p.out), "--layout", "per-layer"]),
     Case("already-converted", EXIT_INPUT, ("converted", "already an output of gemma4-convert"), _reconvert),
     Case("check-pair-mismatch", EXIT_VERIFY, ("assistant", "cannot serve together", "backbone"), _check_pair_mismatch),
+    Case("inspect-config-contradicts-shapes", EXIT_INPUT, ("problem(s) reported", "target", "head_dim 8", "disagree"),
+         lambda p: (_set_text_key(p, "head_dim", 8), ["inspect", str(p.target)])[1]),
+    Case("inspect-mixed-attention-dtypes", EXIT_INPUT, ("problem(s) reported", "mix dtypes", "is F16"),
+         _attention_dtype("F16")),
+    Case("inspect-index-wrong-shard", EXIT_INPUT, (INDEX_NAME, f"listed in {SHARD2}", f"stored in {SHARD1}"),
+         lambda p: (_index_edit(_move_one_to_shard2)(p), ["inspect", str(p.target)])[1]),
     Case("inspect-corrupt-header", EXIT_INPUT, (SHARD1, "not valid JSON"),
          lambda p: (_shard_bytes(pack_safetensors(b"{{{{"))(p), ["inspect", str(p.target)])[1]),
     # output

@@ -27,6 +27,7 @@ from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidation
                                    LocalEntryNotFoundError, LocalTokenNotFoundError, NotASafetensorsRepoError,
                                    OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError,
                                    RevisionResolutionError)
+from hf_xet import XetAuthenticationError, XetObjectNotFoundError
 from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo, filter_repo_objects
 
 from converter.card import BASE_MODEL_RELATION, render_card, serve_line
@@ -108,8 +109,24 @@ def use_api(monkeypatch, api: Any) -> None:
 class RemoteRepo:
     """A fake HfApi serving repos from local directories (at one commit each) and recording every call."""
 
-    def __init__(self, repos: dict[str, Path], download_root: Path, sha: str = SHA_MAIN) -> None:
+    def __init__(self, repos: dict[str, Path], download_root: Path, sha: str = SHA_MAIN,
+                 fail: dict[str, BaseException] | None = None) -> None:
         self.repos, self.root, self.sha, self.calls = repos, download_root, sha, []
+        self.fail = fail or {}  # file name -> the exception its download raises
+
+    def _folder(self, repo_id: str, revision: str) -> Path:
+        """Where huggingface_hub puts a snapshot: models--OWNER--NAME/snapshots/SHA under the cache root."""
+        folder = self.root / ("models--" + repo_id.replace("/", "--")) / "snapshots" / revision
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def hf_hub_download(self, repo_id: str, filename: str, *, revision: str) -> str:
+        self.calls.append(("hf_hub_download", repo_id, revision, filename))
+        if filename in self.fail:
+            raise self.fail[filename]
+        target = self._folder(repo_id, revision) / filename
+        shutil.copyfile(self.repos[repo_id] / filename, target)
+        return str(target)
 
     def resolve_revision(self, repo_id: str, *, revision: str | None = None, **kwargs: Any) -> ResolvedRevision:
         self.calls.append(("resolve_revision", repo_id, revision))
@@ -122,8 +139,7 @@ class RemoteRepo:
         source = self.repos[repo_id]
         names = filter_repo_objects([p.name for p in source.iterdir()], allow_patterns=allow_patterns,
                                     ignore_patterns=ignore_patterns)
-        folder = self.root / repo_id.replace("/", "--") / revision
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self._folder(repo_id, revision)
         for name in names:
             shutil.copyfile(source / name, folder / name)
         return str(folder)
@@ -182,6 +198,8 @@ class FakeHfApi:
             "repo_id": kwargs["repo_id"],
             "files": {p.name: (p.resolve() if p.is_symlink() else None) for p in sorted(folder.iterdir())},
             "card": (folder / "README.md").read_text(encoding="utf-8"),
+            # what the Hub would store: every file's bytes (KB-sized test checkpoints)
+            "contents": {p.name: p.read_bytes() for p in sorted(folder.iterdir())},
         })
         pr = "https://huggingface.co/x/discussions/1" if kwargs.get("create_pr") else None
         return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/{SHA_V2}", pr_url=pr)
@@ -354,6 +372,64 @@ def test_convert_and_check_pair_from_repo_ids_record_the_source(sources, offline
     assert run_cli("check-pair", TARGET_REPO, f"{ASSISTANT_REPO}@v2").code == 0
 
 
+def _shard_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("model")]
+
+
+def test_convert_dry_run_from_repo_ids_reads_headers_only(sources, tmp_path, monkeypatch, run_cli):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # "online": the fake never touches the network
+    api = RemoteRepo({TARGET_REPO: sources / "target", ASSISTANT_REPO: sources / "assistant"}, tmp_path / "hub")
+    use_api(monkeypatch, api)
+    out = tmp_path / "out"
+    args = ("--out", out, "--layout", "pad-global", "--dry-run")
+    result = run_cli("convert", "--target", TARGET_REPO, "--assistant", ASSISTANT_REPO, *args)
+    assert result.code == 0, result.err
+    assert "dry run: nothing written" in result.out and not out.exists()
+    assert not [c for c in api.calls if c[0] == "hf_hub_download"]
+    assert all(not any(p.endswith(".safetensors") for p in c[3]) for c in api.calls if c[0] == "snapshot_download")
+    assert {c[1] for c in api.calls if c[0] == "get_safetensors_metadata"} == {TARGET_REPO, ASSISTANT_REPO}
+    assert not list((tmp_path / "hub").rglob("*.safetensors")), "a weight file was downloaded"
+    local = run_cli("convert", "--target", sources / "target", "--assistant", sources / "assistant", *args)
+    assert _shard_lines(result.out) and _shard_lines(result.out) == _shard_lines(local.out)
+    assert result.out.split("cost of pad-global")[1] == local.out.split("cost of pad-global")[1]
+
+
+def test_convert_from_repo_ids_downloads_each_shard_after_planning(sources, tmp_path, monkeypatch, run_cli):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    api = RemoteRepo({TARGET_REPO: sources / "target", ASSISTANT_REPO: sources / "assistant"}, tmp_path / "hub")
+    use_api(monkeypatch, api)
+    out = tmp_path / "out"
+    result = run_cli("convert", "--target", TARGET_REPO, "--assistant", ASSISTANT_REPO, "--out", out,
+                     "--layout", "per-layer")
+    assert result.code == 0, result.err
+    downloads = [c[3] for c in api.calls if c[0] == "hf_hub_download"]
+    assert sorted(downloads) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                 "model.safetensors"]
+    first_download = next(i for i, c in enumerate(api.calls) if c[0] == "hf_hub_download")
+    assert any(c[0] == "get_safetensors_metadata" for c in api.calls[:first_download])  # planned on headers first
+    for role in ("target", "assistant"):
+        assert read_checkpoint(out / role).tensors.keys() == read_checkpoint(sources / role).tensors.keys()
+
+
+@pytest.mark.parametrize("exc, cause", [
+    (RuntimeError("Task error: File reconstruction error: CAS Client Error: connection reset"),
+     "the transfer failed in hf_xet (RuntimeError: Task error: File reconstruction error"),
+    (XetAuthenticationError("token refresh failed"), "hf_xet storage refused the credentials (token refresh failed)"),
+    (http_error(HfHubHTTPError, 503), "the Hub failed (503); rerun later"),
+    (httpx2.ReadTimeout("slow"), "cannot reach the Hub at"),
+])
+def test_a_failed_shard_download_exits_5_naming_the_file(sources, tmp_path, monkeypatch, run_cli, exc, cause):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    shard = "model-00002-of-00002.safetensors"
+    use_api(monkeypatch, RemoteRepo({TARGET_REPO: sources / "target"}, tmp_path / "hub", fail={shard: exc}))
+    out = tmp_path / "out"
+    result = run_cli("convert", TARGET_REPO, "--out", out, "--layout", "per-layer")
+    assert result.code == 5, result.err
+    assert result.err.startswith(f"error: {TARGET_REPO}: {shard}: ") and result.err.count("\n") == 1, result.err
+    assert cause in result.err
+    assert not out.exists() and not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
 # ---------------------------------------------------------------------------------------------------------- error table
 
 
@@ -427,7 +503,7 @@ def test_card_for_an_assistant_without_verification_or_base_model(converted):
                        base_model=None)
     meta = yaml.safe_load(card.split("---\n", 2)[1])
     assert "base_model" not in meta and "base_model_relation" not in meta
-    assert "a local checkpoint (`assistant`)" in card and str(converted) not in card
+    assert "a local checkpoint (`assistant`; base model: unknown)" in card and str(converted) not in card
     assert "vllm serve <TARGET converted the same way> --speculative-config" in card
     assert "None of its own" in card and "**Not verified**" in card
 
@@ -512,18 +588,39 @@ def test_upload_single_checkpoint_card_has_a_placeholder_partner(converted, monk
     assert "Convert and upload its target with the same `--layout pad-global`" in card
 
 
-@pytest.mark.parametrize("method, exc, fragment", [
-    ("whoami", LocalTokenNotFoundError("x"), "error: me/t: no Hugging Face token; set HF_TOKEN"),
-    ("whoami", http_error(HfHubHTTPError, 401), "error: me/t: the Hub refused the token (401)"),
-    ("create_repo", http_error(HfHubHTTPError, 403), "error: me/t: no permission (403)"),
-    ("upload_folder", http_error(HfHubHTTPError, 429), "error: me/t: rate-limited by the Hub (429); wait"),
-    ("upload_folder", httpx2.ConnectError("no route"), "error: me/t: cannot reach the Hub at"),
+def _lfs_failure() -> RuntimeError:
+    """What huggingface_hub's LFS upload raises: RuntimeError(...) from the HTTP error (_commit_api.py)."""
+    try:
+        raise RuntimeError("Error while uploading 'model.safetensors' to the Hub.") from http_error(HfHubHTTPError, 503)
+    except RuntimeError as exc:
+        return exc
+
+
+UPLOADING = "error: me/t: uploading "
+
+
+@pytest.mark.parametrize("method, exc, prefix, cause", [
+    ("whoami", LocalTokenNotFoundError("x"), "error: me/t: no Hugging Face token; set HF_TOKEN", ""),
+    ("whoami", http_error(HfHubHTTPError, 401), "error: me/t: the Hub refused the token (401)", ""),
+    ("create_repo", http_error(HfHubHTTPError, 403), "error: me/t: no permission (403)", ""),
+    ("upload_folder", http_error(HfHubHTTPError, 429), UPLOADING, "files): rate-limited by the Hub (429); wait"),
+    ("upload_folder", httpx2.ConnectError("no route"), UPLOADING, "files): cannot reach the Hub at"),
+    # hf_xet's own exception types (the real classes from the installed hf_xet) and its plain RuntimeError
+    ("upload_folder", XetAuthenticationError("token expired"), UPLOADING,
+     "files): hf_xet storage refused the credentials (token expired)"),
+    ("upload_folder", XetObjectNotFoundError("xorb 1f2e"), UPLOADING, "files): hf_xet storage has no such object"),
+    ("upload_folder", RuntimeError("Task error: CAS Client Error: connection reset"), UPLOADING,
+     "files): the transfer failed in hf_xet (RuntimeError: Task error: CAS Client Error: connection reset)"),
+    ("upload_folder", _lfs_failure(), UPLOADING, "files): the Hub failed (503); rerun later"),
 ])
-def test_upload_failures_exit_5_with_one_line(converted, monkeypatch, run_cli, method, exc, fragment):
+def test_upload_failures_exit_5_with_one_line(converted, monkeypatch, run_cli, method, exc, prefix, cause):
     use_api(monkeypatch, FakeHfApi(raises={method: exc}))
-    result = run_cli("upload", converted / "target", "me/t")
-    assert result.code == 5
-    assert result.err.startswith(fragment) and result.err.count("\n") == 1
+    result = run_cli("upload", converted / "target", "me/t", "--base-model", "acme/gemma-4-tiny")
+    assert result.code == 5, result.err
+    assert result.err.startswith(prefix) and result.err.count("\n") == 1, result.err
+    assert cause in result.err
+    if prefix == UPLOADING:
+        assert f"uploading {converted / 'target'} (" in result.err  # names what was being sent
 
 
 def test_dry_run_contacts_nothing_and_prints_files_sizes_and_cards(converted, monkeypatch, run_cli):
@@ -578,3 +675,82 @@ def test_verify_from_repo_ids_then_upload_card_shows_its_report(sources, offline
     assert "**PASSED** on `cpu" in target_card and "byte-identical copies" in target_card
     assert "| target layer 0 (sliding_attention) |" in target_card
     assert f"base_model: {TARGET_REPO}" in target_card
+
+
+# ------------------------------------------------------------------------------------------ what leaves this machine
+
+
+def _card_meta(text: str) -> dict:
+    return yaml.safe_load(text.split("---\n", 2)[1])
+
+
+def test_uploaded_files_hold_no_local_path(sources, tmp_path, monkeypatch, run_cli):
+    """A local pair, converted and verified for real, then uploaded: no byte sent names a path of this machine."""
+    local = tmp_path / "my-models"
+    shutil.copytree(sources, local)
+    out = tmp_path / "work" / "dst"
+    assert run_cli("convert", "--target", local / "target", "--assistant", local / "assistant", "--out", out,
+                   "--layout", "pad-global").code == 0
+    assert run_cli("verify", "--target", local / "target", "--assistant", local / "assistant", "--converted", out,
+                   "--device", "cpu").code == 0
+    on_disk = json.loads((out / "target" / MANIFEST_NAME).read_text())
+    assert on_disk["source"]["path"] == str((local / "target").resolve())  # kept locally: re-conversion refusal
+    api = FakeHfApi()
+    use_api(monkeypatch, api)
+    result = run_cli("upload", out, "--target-repo", "me/t", "--assistant-repo", "me/a")
+    assert result.code == 0, result.err
+    private = [str(tmp_path), str(tmp_path.resolve()), os.path.expanduser("~") + "/"]
+    for upload in api.uploads:
+        for name, data in upload["contents"].items():
+            for path in private:
+                assert path.encode() not in data, f"{upload['repo_id']}/{name} holds {path}"
+        manifest = json.loads(upload["contents"][MANIFEST_NAME])
+        role = manifest["role"]
+        assert manifest["source"]["name"] == role and "path" not in manifest["source"]
+        assert manifest["source"]["files"] == on_disk["source"]["files"] if role == "target" else True
+        assert json.loads(upload["contents"][VERIFICATION_NAME])["passed"] is True
+    # the line that says so
+    assert result.err.count("note: base model unknown for ") == 1 and result.err.count("\n") == 1
+    assert "pass --base-model OWNER/NAME" in result.err
+    assert "base model: unknown" in api.uploads[0]["card"] and "base_model" not in _card_meta(api.uploads[0]["card"])
+    assert not (out / "target" / "README.source.md").exists()  # DST untouched
+    assert json.loads((out / "target" / MANIFEST_NAME).read_text()) == on_disk
+
+
+def test_base_model_inferred_from_a_local_hf_cache_snapshot_path(sources, offline_hub, tmp_path, monkeypatch,
+                                                               run_cli):
+    snapshot = cache_repo(offline_hub, ASSISTANT_REPO, SHA_V2, sources / "assistant")
+    out = tmp_path / "single"
+    assert run_cli("convert", snapshot, "--out", out, "--layout", "per-layer").code == 0  # a path, not a repo id
+    assert "repo_id" not in json.loads((out / MANIFEST_NAME).read_text())["source"]
+    api = FakeHfApi()
+    use_api(monkeypatch, api)
+    result = run_cli("upload", out, "me/a", "--no-verify")
+    assert result.code == 0, result.err
+    assert "note:" not in result.err
+    card = api.uploads[0]["card"]
+    assert _card_meta(card)["base_model"] == ASSISTANT_REPO and f"at commit `{SHA_V2}`" in card
+    source = json.loads(api.uploads[0]["contents"][MANIFEST_NAME])["source"]
+    assert (source["repo_id"], source["revision"]) == (ASSISTANT_REPO, SHA_V2) and "name" not in source
+    assert str(offline_hub).encode() not in api.uploads[0]["contents"][MANIFEST_NAME]
+
+
+def test_base_model_inferred_from_a_repo_id_shaped_name_or_path(sources, tmp_path, monkeypatch, run_cli):
+    src = tmp_path / "downloaded-once"
+    shutil.copytree(sources / "assistant", src)
+    config = json.loads((src / "config.json").read_text())
+    config["_name_or_path"] = "google/gemma-4-31B-it-assistant"
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "single"
+    assert run_cli("convert", src, "--out", out, "--layout", "per-layer").code == 0
+    use_api(monkeypatch, ExplodingApi())
+    result = run_cli("upload", out, "me/a", "--dry-run", "--no-verify")
+    assert result.code == 0 and "note:" not in result.err, result.err
+    meta = _card_meta(result.out.split("--- me/a/README.md ---\n", 1)[1])
+    assert meta["base_model"] == "google/gemma-4-31B-it-assistant"
+    config["_name_or_path"] = "/home/someone/checkpoints/gemma"  # a path is no repo id
+    (src / "config.json").write_text(json.dumps(config))
+    assert run_cli("convert", src, "--out", out, "--layout", "per-layer", "--force").code == 0
+    result = run_cli("upload", out, "me/a", "--dry-run", "--no-verify")
+    assert result.code == 0 and result.err.startswith("note: base model unknown for ")
+    assert "base_model" not in _card_meta(result.out.split("--- me/a/README.md ---\n", 1)[1])

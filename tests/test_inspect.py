@@ -87,7 +87,21 @@ def test_shape_contradiction_is_reported(synthetic_cache, tmp_path, run_cli):
     config["text_config"]["global_head_dim"] = 64
     (src / "config.json").write_text(json.dumps(config))
     result = run_cli("inspect", src)
-    assert result.code == 0 and "SHAPE MISMATCH" in result.out and "PROBLEM:" in result.out
+    assert result.code == 3 and "SHAPE MISMATCH" in result.out and "PROBLEM:" in result.out
+    assert result.err.count("\n") == 1 and result.err.startswith("error: 5 problem(s) reported; the first: ")
+    assert "layers.5.self_attn.k_norm.weight has shape [32]" in result.err
+    report = json.loads(run_cli("inspect", "--json", src).out)
+    assert len(report["problems"]) == 5  # every contradicting tensor, not only the first
+    verdict = report["vllm_0_27"]["transformers<5.15"]
+    assert verdict["outcome"] == "fails" and verdict["outcome"] != "loads"
+    # the real loader raises this for such a checkpoint (tests/test_vllm027_predictions.py): k_norm is read first
+    assert verdict["error"] == "AssertionError: Attempted to load weight (torch.Size([32])) into parameter " \
+                               "(torch.Size([64]))"
+    assert "k_norm.weight" in verdict["detail"] and "weight_utils.py:1240" in verdict["detail"]
+    by_tensor = {w["tensor"].split("self_attn.")[1]: w for w in report["vllm_0_27"]["weights"]}
+    assert set(by_tensor) == {"k_norm.weight", "k_proj.weight", "o_proj.weight", "q_norm.weight", "q_proj.weight"}
+    assert by_tensor["k_proj.weight"]["error"] == "RuntimeError: start (0) + length (256) exceeds dimension size (128)"
+    assert by_tensor["o_proj.weight"]["where"] == "model_executor/parameter.py:222"
     convert = run_cli("convert", src, "--out", tmp_path / "o", "--layout", "per-layer")
     assert convert.code == 3 and "config and weights disagree" in convert.err
     assert len(convert.err.strip().splitlines()) == 1
@@ -102,3 +116,52 @@ def test_non_boolean_k_eq_v_is_bad_input(synthetic_cache, tmp_path, run_cli):
     (src / "config.json").write_text(json.dumps(config))
     result = run_cli("inspect", src)
     assert result.code == 3 and "'attention_k_eq_v' must be true or false" in result.err
+
+
+def _set_text(src, **values):
+    config = read_config(src)
+    text_config(config).update(values)
+    (src / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("role, edit, outcome, fragment", [
+    # too few rows for the draft's ColumnParallelLinear q_proj / RowParallelLinear o_proj: torch's narrow raises
+    ("assistant", {"num_attention_heads": 64}, "fails", "RuntimeError: start (0) + length (1024) exceeds dimension "
+                                                        "size (512)"),
+    # too many rows for the target's QKV slots: cut silently, vLLM loads without a word
+    ("target", {"num_key_value_heads": 8}, "loads wrong", "silently truncates [256, 336] to its first 128 rows"),
+])
+def test_prediction_names_the_error_or_the_truncated_tensor(synthetic_cache, tmp_path, run_cli, role, edit, outcome,
+                                                           fragment):
+    import shutil
+    src = tmp_path / role
+    shutil.copytree(synthetic_cache("31b", "pair") / role, src)
+    _set_text(src, **edit)
+    result = run_cli("inspect", "--json", src)
+    assert result.code == 3, result.err
+    verdict = json.loads(result.out)["vllm_0_27"]["transformers<5.15"]
+    assert verdict["outcome"] == outcome
+    assert fragment in (verdict["error"] or "") + verdict["detail"]
+    text = run_cli("inspect", src)
+    assert text.code == 3 and f"with transformers<5.15: {outcome}" in text.out
+
+
+def test_clean_checkpoints_exit_0_and_mixed_attention_dtypes_exit_3(synthetic_cache, tmp_path, run_cli):
+    import shutil
+    import struct
+    pair = synthetic_cache("31b", "pair")
+    assert run_cli("inspect", pair / "target").code == 0
+    src = tmp_path / "assistant"
+    shutil.copytree(pair / "assistant", src)
+    path = src / "model.safetensors"
+    blob = path.read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + length])
+    name = next(k for k in sorted(header) if k.endswith("layers.0.self_attn.q_proj.weight"))
+    header[name]["dtype"] = "F16"  # same size as BF16: only the header changes
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    assert len(raw) == length
+    path.write_bytes(struct.pack("<Q", length) + raw + blob[8 + length:])
+    result = run_cli("inspect", src)
+    assert result.code == 3
+    assert f"attention tensors mix dtypes (BF16 x" in result.err and f"{name} is F16" in result.err

@@ -8,13 +8,14 @@ import click
 
 from ..cost import human_bytes
 from ..errors import UsageError
-from ..hub import LocalSource
+from ..hub import LocalSource, Purpose, open_checkpoint
+from ..io.lock import output_lock
 from ..io.writer import LINK_MEANING, LINK_MODES
 from ..layouts import get_layout, layout_names
 from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertRequest, ConvertResult, execute, plan_conversion,
                         serve_command)
 from ..plan import parse_size
-from ._common import PATH, SOURCE, kv_cost_lines
+from ._common import PATH, kv_cost_lines, resolve_cli_source
 
 
 def _size(ctx, param, value):
@@ -27,10 +28,10 @@ def _size(ctx, param, value):
 
 
 @click.command("convert")
-@click.argument("src", type=SOURCE, required=False)
-@click.option("--target", type=SOURCE, help="Gemma 4 target checkpoint directory or Hub repo OWNER/NAME[@REV] "
+@click.argument("src", metavar="[SRC]", required=False)
+@click.option("--target", metavar="PATH|REPO[@REV]", help="Gemma 4 target checkpoint directory or Hub repo OWNER/NAME[@REV] "
               "(written to OUT/target).")
-@click.option("--assistant", type=SOURCE, help="MTP assistant checkpoint directory or Hub repo OWNER/NAME[@REV] "
+@click.option("--assistant", metavar="PATH|REPO[@REV]", help="MTP assistant checkpoint directory or Hub repo OWNER/NAME[@REV] "
               "(written to OUT/assistant).")
 @click.option("--out", "out", type=PATH, required=True, help="Output directory (must not exist unless --force).")
 @click.option("--layout", type=click.Choice(layout_names()), required=True,
@@ -44,21 +45,22 @@ def _size(ctx, param, value):
 @click.option("--dry-run", is_flag=True, help="Print the plan and the cost; write nothing.")
 @click.option("--max-shard-size", callback=_size, default=None, metavar="SIZE",
               help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
-def command(src: LocalSource | None, target: LocalSource | None, assistant: LocalSource | None, out: Path, layout: str,
+@click.pass_context
+def command(ctx: click.Context, src: str | None, target: str | None, assistant: str | None, out: Path, layout: str,
             force: bool, link: str, dry_run: bool, max_shard_size: int | None) -> None:
     """Convert a target and/or assistant (or one checkpoint SRC) into OUT with the chosen layout.
 
     \b
+    SRC, --target and --assistant are directories or Hub repo ids OWNER/NAME[@REVISION]. Hub weights are
+    downloaded only once the plan is made and OUT is locked; --dry-run reads their headers only.
     Examples:
       gemma4-convert convert --target T --assistant A --out DST --layout pad-global
       gemma4-convert convert SRC --out DST --layout per-layer
     """
-    sources = {"single": src, "target": target, "assistant": assistant}
-    request = ConvertRequest(out=out, layout=layout, target=target and target.path,
-                             assistant=assistant and assistant.path, single=src and src.path, force=force,
-                             max_shard_bytes=max_shard_size, link=link,
-                             origins={role: s.origin() for role, s in sources.items() if s and s.origin()})
-    plan = plan_conversion(request)
+    texts = {role: text for role, text in (("single", src), ("target", target), ("assistant", assistant)) if text}
+    sources = _resolve(ctx, texts, purpose="headers")
+    options = dict(out=out, layout=layout, force=force, max_shard_bytes=max_shard_size, link=link)
+    plan = plan_conversion(_request(sources, **options))
     _print_plan(plan, dry_run=dry_run)
     if link in LINK_MEANING:
         click.echo(f"NOTE: --link {link}: {LINK_MEANING[link]}", err=True)
@@ -67,9 +69,13 @@ def command(src: LocalSource | None, target: LocalSource | None, assistant: Loca
         return
     from tqdm import tqdm  # ~0.1 s: imported by the runs that show progress, not by --help
 
-    with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
-              disable=None, leave=False) as bar:
-        result = execute(plan, on_bytes=bar.update)
+    with output_lock(out):  # before any download: a second run into OUT stops here, not after fetching weights
+        if any(source.remote_shards is not None for source in sources.values()):
+            sources = _resolve(ctx, texts, purpose="full")  # the weights, at the commit already resolved
+            plan = plan_conversion(_request(sources, **options))
+        with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
+                  disable=None, leave=False) as bar:
+            result = execute(plan, on_bytes=bar.update)
     click.echo(f"wrote {out} ({human_bytes(plan.output_bytes)} of tensors{_made_summary(result)})")
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
@@ -86,6 +92,19 @@ def _made_summary(result: ConvertResult) -> str:
         counts[how] = counts.get(how, 0) + 1
     counts.pop(MADE_WRITTEN, None)
     return ("; unchanged files: " + ", ".join(f"{n} {how}" for how, n in sorted(counts.items()))) if counts else ""
+
+
+def _resolve(ctx: click.Context, texts: dict[str, str], *, purpose: Purpose) -> dict[str, LocalSource]:
+    """Each source text as a LocalSource; a Hub repo pinned to one commit (hub.resolve_source)."""
+    return {role: resolve_cli_source(text, purpose=purpose, ctx=ctx) for role, text in texts.items()}
+
+
+def _request(sources: dict[str, LocalSource], **options) -> ConvertRequest:
+    single, target, assistant = (sources.get(role) for role in ("single", "target", "assistant"))
+    return ConvertRequest(target=target and target.path, assistant=assistant and assistant.path,
+                          single=single and single.path, **options,
+                          origins={role: s.origin() for role, s in sources.items() if s.origin()},
+                          opened={s.path: open_checkpoint(s) for s in sources.values() if s.remote_shards is not None})
 
 
 def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from ..cost import KvCost, human_bytes
+from ..errors import InputError
 from ..hub import LocalSource, open_checkpoint
 from ..report import inspect_checkpoint, summarize_layers
 from ._common import SOURCE_HEADERS, echo_json, kv_cost_lines
@@ -19,12 +20,15 @@ def command(src: LocalSource, as_json: bool) -> None:
     """Describe a checkpoint from config.json and safetensors headers only (no tensor data is read).
 
     SRC is a directory or a Hub repo id OWNER/NAME[@REVISION]; for a repo only config and headers are fetched.
+    Exits 3 when it reports a problem (config against tensors, dtypes; a broken index or header stops it).
     """
     report = inspect_checkpoint(open_checkpoint(src))
     if as_json:
         echo_json(report)
     else:
         render(report)
+    if report["problems"]:  # the report is printed either way; the exit code says it is not a sound checkpoint
+        raise InputError(f"{len(report['problems'])} problem(s) reported; the first: {report['problems'][0]}")
 
 
 def render(report: dict[str, Any]) -> None:

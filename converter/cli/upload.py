@@ -23,7 +23,8 @@ from ._common import PATH, hub_api
 @click.option("--dry-run", is_flag=True, help="Print files, sizes and the model card; contact nothing.")
 @click.option("--no-verify", is_flag=True, help="Upload even without a passing verification.json.")
 @click.option("--base-model", metavar="OWNER/NAME",
-              help="Source repo for the card's base_model (default: the repo recorded in conversion.json).")
+              help="Source repo for the card's base_model (default: the Hub repo recorded in conversion.json, "
+                   "else inferred from a Hugging Face cache path or the config's _name_or_path).")
 @click.pass_context
 def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str | None, assistant_repo: str | None,
             private: bool, revision: str | None, create_pr: bool, commit_message: str | None, dry_run: bool,
@@ -44,6 +45,10 @@ def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str
                             commit_message=commit_message, verify_required=not no_verify, base_model=base_model)
     plan = plan_upload(request)
     render_plan(plan, with_cards=dry_run)
+    if plan.unknown_base:
+        click.echo(f"note: base model unknown for {', '.join(str(d) for d in plan.unknown_base)} (a local source: "
+                   "no Hub repo recorded, not a Hugging Face cache snapshot, no repo id in its _name_or_path); the "
+                   "card says \"unknown\"; pass --base-model OWNER/NAME to name it", err=True)
     if dry_run:
         click.echo("dry run: nothing uploaded, the Hub was not contacted")
         return
@@ -59,7 +64,7 @@ def render_plan(plan: UploadPlan, *, with_cards: bool) -> None:
         click.echo(f"{item.directory} ({item.kind}, {item.layout}) -> {item.repo_id} "
                    f"({'private' if request.private else 'public'} if created; {where})")
         for f in item.files:
-            note = "  (generated model card)" if f.local is None else ""
+            note = "  (generated model card)" if f.local is None else "  (local paths removed)" if f.content else ""
             click.echo(f"  {f.path_in_repo:<40} {human_bytes(f.size):>10}{note}")
         click.echo(f"  {len(item.files)} files, {human_bytes(item.total_size)}")
     for item in plan.items if with_cards else ():

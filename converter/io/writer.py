@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import InputError, OutputError
 from ..plan import ShardPlan, TensorPlan
+from .durable import fsync_directory, fsync_tree, write_bytes_durably
 from .safetensors_header import encode_header
 
 BLOCK_BYTES = 4 * 1024 * 1024  # one output write (O_DIRECT) and one read-ahead block; docs/BENCHMARKS.md
@@ -424,10 +425,10 @@ def make_directory(path: Path) -> None:
 
 
 def write_json(path: Path, document: Any) -> str:
-    """Writes pretty JSON; returns its sha256."""
+    """Writes pretty JSON (fsynced); returns its sha256."""
     raw = (json.dumps(document, indent=2) + "\n").encode("utf-8")
     with _output_errors(path):
-        path.write_bytes(raw)
+        write_bytes_durably(path, raw)
     return hashlib.sha256(raw).hexdigest()
 
 
@@ -593,6 +594,7 @@ def staged_directory(destination: Path, *, replace: bool) -> Iterator[Path]:
     moved_aside = False
     try:
         with _output_errors(destination):
+            fsync_tree(staging)  # every entry of the new tree is on disk before its name appears
             if destination.exists() and replace:
                 shutil.rmtree(retired, ignore_errors=True)
                 os.replace(destination, retired)
@@ -603,4 +605,6 @@ def staged_directory(destination: Path, *, replace: bool) -> Iterator[Path]:
             os.replace(retired, destination)  # the earlier output goes back; nothing half-swapped stays
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    with _output_errors(destination.parent):
+        fsync_directory(destination.parent)  # the rename itself (after the swap: a failure here undoes nothing)
     shutil.rmtree(retired, ignore_errors=True)  # also an earlier output that a run killed mid-swap left there

@@ -168,27 +168,53 @@ def expected_shape(tensor: AttentionTensor, attention: AttentionConfig) -> tuple
 
 
 def check_attention_tensors(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> None:
-    """Raises InputError when a tensor's shape or presence contradicts the config's geometry."""
+    """Raises InputError (the first of attention_problems) when a tensor contradicts the config's geometry."""
+    problems = attention_problems(tensors, spec, source=source)
+    if problems:
+        raise InputError(problems[0].message)
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One contradiction between config and tensors: `tensor` set for a wrong shape or an unexpected tensor,
+    `missing` (module names of `layer`) for absent ones."""
+
+    message: str
+    layer: LayerGeometry
+    tensor: AttentionTensor | None = None
+    want: tuple[int, ...] | None = None
+    missing: tuple[str, ...] = ()
+
+
+def attention_problems(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> list[AttentionProblem]:
+    """Every tensor whose shape or presence contradicts the config's geometry (shapes first, then per layer)."""
+    problems: list[AttentionProblem] = []
     present: dict[int, set[str]] = {}
     for tensor in tensors:
         present.setdefault(tensor.layer.index, set()).add(tensor.module)
         want = expected_shape(tensor, spec.attention)
         if want is not None and tensor.source.shape != want:
             layer = tensor.layer
-            raise InputError(
+            problems.append(AttentionProblem(
                 f"{source}: {tensor.source.ref.name}{' (' + tensor.module + ' rows)' if tensor.from_fused else ''} "
                 f"has shape {list(tensor.source.shape)} but layer {layer.index} ({layer.layer_type}: head_dim "
-                f"{layer.head_dim}, {layer.num_kv_heads} KV heads) implies {list(want)}; config and weights disagree")
+                f"{layer.head_dim}, {layer.num_kv_heads} KV heads) implies {list(want)}; config and weights disagree",
+                layer=layer, tensor=tensor, want=want))
     for layer in spec.attention.layers:
         modules = present.get(layer.index, set())
         required = {"q_proj", "o_proj", "q_norm"} | ({"k_proj", "k_norm"} if layer.has_k else set())
         required |= {"v_proj"} if layer.has_v else set()
         missing = sorted(required - modules)
         if missing:
-            raise InputError(f"{source}: layer {layer.index} ({layer.layer_type}) has no {', '.join(missing)} tensor")
+            problems.append(AttentionProblem(
+                f"{source}: layer {layer.index} ({layer.layer_type}) has no {', '.join(missing)} tensor",
+                layer=layer, missing=tuple(missing)))
         if "v_proj" in modules and layer.k_eq_v:
-            raise InputError(f"{source}: layer {layer.index} has a v_proj tensor but the config says "
-                             "attention_k_eq_v (V is the K projection)")
+            extra = next(t for t in tensors if t.layer.index == layer.index and t.module == "v_proj")
+            problems.append(AttentionProblem(
+                f"{source}: layer {layer.index} has a v_proj tensor but the config says attention_k_eq_v (V is the "
+                "K projection)", layer=layer, tensor=extra))
+    return problems
 
 
 def explicit_geometry(attention: AttentionConfig, **overrides: Any) -> dict[str, Any]:

@@ -1,0 +1,40 @@
+"""fsync helpers: what makes "DST exists, so it is complete" hold after a power loss, not only after a crash.
+
+Anchors: safetensors (`src/tensor.rs`, #764) writes a temp file and renames it, without fsync; SQLite and git fsync
+the file, then the directory that holds the new name. A rename is atomic in the namespace, but after a power loss
+the new name can survive while data it points to (or entries of the renamed tree) did not reach the disk. So: every
+file is fsynced when written, every directory of the staging tree before the final rename, and the parent of DST
+after it (the rename itself is an entry in that directory).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+
+def write_bytes_durably(path: Path, data: bytes) -> None:
+    """Path.write_bytes followed by fsync."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def fsync_directory(path: Path) -> None:
+    """Makes the entries of a directory (created, renamed, removed names) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # a filesystem without directory fsync (some FUSE)
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync_directory for root and every directory below it, deepest first."""
+    for directory, _, _ in os.walk(root, topdown=False):
+        fsync_directory(Path(directory))
