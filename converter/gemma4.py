@@ -238,9 +238,14 @@ def _read_per_layer_config(per_layer: Any, layer_types: tuple[str, ...], head_di
     if not isinstance(per_layer, Mapping):
         raise InputError(f"{source}: `per_layer_config` must be an object keyed by layer index")
     overrides: dict[str, set[tuple[int, int]]] = {FULL: set(), SLIDING: set()}
+    seen: set[int] = set()
     for key, values in per_layer.items():
         if not re.fullmatch(r"\d+", str(key)) or int(key) >= len(layer_types) or not isinstance(values, Mapping):
             raise InputError(f"{source}: `per_layer_config` entry {key!r} is not a valid layer index with overrides")
+        # transformers' save_pretrained zero-pads the keys to the widest index ("05" ... "59"); compare as integers
+        if int(key) in seen:
+            raise InputError(f"{source}: `per_layer_config` names layer {int(key)} twice")
+        seen.add(int(key))
         unknown = set(values) - _PER_LAYER_OVERRIDES
         if unknown:
             raise InputError(f"{source}: `per_layer_config[{key}]` overrides {sorted(unknown)}, "
@@ -250,7 +255,7 @@ def _read_per_layer_config(per_layer: Any, layer_types: tuple[str, ...], head_di
             raise InputError(f"{source}: `per_layer_config[{key}]` values must be positive integers, got {values!r}")
         overrides[layer_types[int(key)]].add(value)
     for index, layer_type in enumerate(layer_types):
-        if str(index) not in per_layer and index not in per_layer:
+        if index not in seen:
             overrides[layer_type].add((head_dim, num_kv))
     if overrides[SLIDING] - {(head_dim, num_kv)}:
         raise InputError(f"{source}: `per_layer_config` overrides sliding layers; vLLM 0.27 cannot express that")

@@ -90,6 +90,7 @@ class Layout:
         text = new[spec.text_config_key] if spec.text_config_key else new
         text.pop("per_layer_config", None)
         text.update(self.geometry_keys(spec.attention))
+        write_vision_rope_portably(new)
         return new
 
     def _plan_tensors(self, checkpoint: Checkpoint) -> Iterator[TensorPlan]:
@@ -104,6 +105,16 @@ class Layout:
         for tensor in attention:
             out_name = attention_tensor_name(spec.weight_prefix, tensor.layer.index, tensor.module, tensor.param)
             yield self.plan_attention(tensor, spec, out_name)
+
+
+def write_vision_rope_portably(config: dict[str, Any]) -> None:
+    """Vision rope "axial" -> "default", in place: transformers >= 5.15 writes "axial" on save_pretrained, which
+    5.14.1 cannot build (KeyError: 'axial'); >= 5.15 maps "default" back to "axial" on load
+    (modeling_rope_utils.py standardize_rope_params, Gemma4VisionConfig.default_rope_type), so both read it."""
+    vision = config.get("vision_config")
+    rope = vision.get("rope_parameters") if isinstance(vision, dict) else None
+    if isinstance(rope, dict) and rope.get("rope_type") == "axial":
+        rope["rope_type"] = "default"
 
 
 def kept(tensor: AttentionTensor, out_name: str) -> TensorPlan:
