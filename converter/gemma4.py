@@ -99,6 +99,23 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The 26B-A4B mixture-of-experts block beside each layer's dense MLP (`enable_moe_block`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    hidden_size: int
+
+    def fused_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-layer tensor suffix -> shape, as transformers' Gemma4TextRouter / Gemma4TextExperts store them
+        (experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]; vLLM 0.27 splits them on load)."""
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        return {"router.proj.weight": (e, h), "router.scale": (h,), "router.per_expert_scale": (e,),
+                "experts.gate_up_proj": (e, 2 * i, h), "experts.down_proj": (e, h, i)}
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A checkpoint's identity and geometry, decided from config.json alone."""
 
@@ -111,6 +128,7 @@ class ModelSpec:
     attention: AttentionConfig
     backbone_hidden_size: int | None
     quantization: Mapping[str, Any] | None
+    moe: MoeConfig | None = None
 
     @property
     def kind(self) -> str:
@@ -169,7 +187,16 @@ def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
         attention=attention,
         backbone_hidden_size=config.get("backbone_hidden_size"),
         quantization=quantization,
+        moe=_read_moe(text, attention.hidden_size, source),
     )
+
+
+def _read_moe(text: Mapping[str, Any], hidden_size: int, source: str) -> MoeConfig | None:
+    if not text.get("enable_moe_block"):
+        return None
+    return MoeConfig(num_experts=_require_int(text, "num_experts", source),
+                     top_k=_require_int(text, "top_k_experts", source),
+                     intermediate_size=_require_int(text, "moe_intermediate_size", source), hidden_size=hidden_size)
 
 
 def _require_int(text: Mapping[str, Any], key: str, source: str) -> int:
@@ -289,3 +316,14 @@ def parse_attention_name(name: str, prefix: str) -> AttentionTensorName | None:
 
 def attention_tensor_name(prefix: str, layer: int, module: str, param: str) -> str:
     return f"{prefix}layers.{layer}.self_attn.{module}.{param}"
+
+
+_MOE_NAME = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<suffix>(?:router|experts)\..+)$")
+
+
+def parse_moe_name(name: str, prefix: str) -> tuple[int, str] | None:
+    """(layer, suffix such as 'experts.gate_up_proj') of a text-decoder router/experts tensor, else None."""
+    match = _MOE_NAME.match(name)
+    if not match or match["prefix"] != prefix:
+        return None
+    return int(match["layer"]), match["suffix"]

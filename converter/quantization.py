@@ -29,11 +29,14 @@ class WeightScheme:
     num_bits: int | None
     strategy: str | None
     group_size: int | None
+    block_structure: tuple[int, int] | None = None  # strategy "block": [rows, columns] per scale
 
     def describe(self) -> str:
         if self.method != COMPRESSED_TENSORS:
             return f"{self.method} ({self.format or 'unknown format'})"
         size = f" {self.group_size}" if self.group_size else ""
+        if self.block_structure:
+            size = f" {self.block_structure[0]}x{self.block_structure[1]}"
         return f"{self.type}{self.num_bits} {self.strategy}{size} ({self.format})"
 
     @property
@@ -64,6 +67,12 @@ def check_quantization_config(config: Any, *, source: str) -> None:
             raise InputError(f"{source}: quantization_config.config_groups.{name}.targets must be a list of strings")
         if weights is not None and not isinstance(weights, Mapping):
             raise InputError(f"{source}: quantization_config.config_groups.{name}.weights must be an object")
+        block = (weights or {}).get("block_structure")
+        if (weights or {}).get("strategy") == "block" and not (
+                isinstance(block, list) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise InputError(f"{source}: quantization_config.config_groups.{name}.weights.block_structure must be "
+                             f"[rows, columns] of positive integers for strategy 'block', got {block!r}")
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -88,7 +97,9 @@ def weight_scheme(config: Mapping[str, Any] | None, module: str) -> WeightScheme
     for group in (config.get("config_groups") or {}).values():
         weights = group.get("weights") if isinstance(group, Mapping) else None
         if weights and any(_matches(target, module) for target in group.get("targets") or []):
+            block = weights.get("block_structure")
             return WeightScheme(method=method, format=config.get("format"), type=weights.get("type"),
                                 num_bits=weights.get("num_bits"), strategy=weights.get("strategy"),
-                                group_size=weights.get("group_size"))
+                                group_size=weights.get("group_size"),
+                                block_structure=tuple(block) if block else None)
     return None

@@ -10,10 +10,11 @@ from typing import Any
 
 from .cost import kv_costs
 from .errors import InputError
-from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec
+from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
 from .io.checkpoint import Checkpoint
 from .layouts import get_layout
-from .layouts.base import AttentionTensor, check_attention_tensors, expected_shape, find_attention_tensors
+from .layouts.base import (AttentionTensor, check_attention_tensors, check_moe_tensors, expected_shape,
+                           find_attention_tensors)
 from .quantization import weight_scheme
 
 REPORT_VERSION = 1
@@ -43,6 +44,7 @@ def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         "tensor_count": len(checkpoint.tensors),
         "total_bytes": checkpoint.total_bytes,
         "quantization": _quantization(spec),
+        "moe": _moe(checkpoint),
         "conversion": _conversion(checkpoint, recognized),
         "vllm_0_27": predict_vllm(spec, attention_tensors),
         "recommendation": _recommendation(spec, recognized),
@@ -122,12 +124,32 @@ def _quantization(spec: ModelSpec) -> dict[str, Any] | None:
             "attention_schemes": schemes, "ignore": list(config.get("ignore") or []), "config": dict(config)}
 
 
+def _moe(checkpoint: Checkpoint) -> dict[str, Any] | None:
+    """The MoE block: sizes from the config, how the experts are stored (every layout copies them raw)."""
+    spec = checkpoint.spec
+    if spec.moe is None:
+        return None
+    forms: dict[int, set[str]] = {}
+    for name in checkpoint.tensors:
+        parsed = parse_moe_name(name, spec.weight_prefix)
+        if parsed and parsed[1].startswith("experts."):
+            fused = parsed[1] in ("experts.gate_up_proj", "experts.down_proj")
+            forms.setdefault(parsed[0], set()).add("fused" if fused else "per-expert")
+    storage = sorted(set().union(*forms.values())) if forms else []
+    return {"num_experts": spec.moe.num_experts, "top_k_experts": spec.moe.top_k,
+            "moe_intermediate_size": spec.moe.intermediate_size, "layers_with_experts": len(forms),
+            "storage": "+".join(storage) or "missing"}
+
+
 def _problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
-    try:
-        check_attention_tensors(tensors, checkpoint.spec, source=str(checkpoint.path))
-    except InputError as exc:
-        return [str(exc)]
-    return []
+    problems = []
+    for check in (lambda: check_attention_tensors(tensors, checkpoint.spec, source=str(checkpoint.path)),
+                  lambda: check_moe_tensors(checkpoint)):
+        try:
+            check()
+        except InputError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _recognized_layout(checkpoint: Checkpoint) -> str | None:

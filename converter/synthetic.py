@@ -397,8 +397,50 @@ def assistant_tensors(p: Preset) -> list[TensorSpec]:
 FP8_MAX = 448.0  # float8_e4m3fn
 
 
-def fp8_quantization_config(strategy: str = "channel", ignore: tuple[str, ...] = ()) -> dict:
-    """A compressed-tensors FP8-dynamic quantization_config like RedHatAI/gemma-4-31B-it-FP8-dynamic's."""
+def _fp8_block_scheme(block: tuple[int, int]):
+    """compressed-tensors' FP8_BLOCK preset (weights [128, 128] blocks, activations 1x128 dynamic groups) with the
+    block scaled to `block` for tiny test widths."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    return scheme.model_copy(update={
+        "weights": scheme.weights.model_copy(update={"block_structure": list(block)}),
+        "input_activations": scheme.input_activations.model_copy(update={"group_size": block[1]})})
+
+
+def fp8_block_config(*, block: tuple[int, int], ignore: tuple[str, ...]) -> dict:
+    """quantization_config exactly as compressed-tensors' ModelCompressor.update_config writes it (needs the
+    compressed-tensors package, a test dependency)."""
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig
+    config = QuantizationConfig(config_groups={"group_0": _fp8_block_scheme(block)}, ignore=list(ignore),
+                                format="float-quantized", quantization_status="compressed")
+    return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "sparsity_config": {},
+            "transform_config": {}, **config.model_dump(exclude=["quant_method"])}
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, scale [rows / block rows, columns / block columns]) from compressed-tensors' own
+    calculate_qparams + quantize, one absmax per block."""
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    args = _fp8_block_scheme(block).weights
+    rows, columns = weight.shape
+    if rows % block[0] or columns % block[1]:
+        raise ValueError(f"synthetic fp8 block {list(block)} must tile the weight shape {[rows, columns]}")
+    amax = weight.reshape(rows // block[0], block[0], columns // block[1], block[1]).abs().amax(dim=(1, 3))
+    scale, zero_point = calculate_qparams(-amax, amax, args)
+    return quantize(weight, scale, zero_point, args, dtype=torch.float8_e4m3fn), scale
+
+
+DEFAULT_IGNORE = ("lm_head", "re:.*vision_tower.*", "re:.*embed_vision.*")
+
+
+def fp8_quantization_config(strategy: str = "channel", ignore: tuple[str, ...] = (),
+                            block: tuple[int, int] = (128, 128)) -> dict:
+    """A compressed-tensors FP8 quantization_config: "channel"/"tensor" like RedHatAI/gemma-4-31B-it-FP8-dynamic's,
+    "block" like RedHatAI/gemma-4-31B-it-FP8-block's, written by compressed-tensors itself (fp8_block_config)."""
+    if strategy == "block":
+        return fp8_block_config(block=block, ignore=(*DEFAULT_IGNORE, *ignore))
     return {
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {
@@ -408,7 +450,7 @@ def fp8_quantization_config(strategy: str = "channel", ignore: tuple[str, ...] =
             "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "symmetric": True,
                                   "dynamic": True},
             "output_activations": None}},
-        "ignore": ["lm_head", "re:.*vision_tower.*", "re:.*embed_vision.*", *ignore],
+        "ignore": [*DEFAULT_IGNORE, *ignore],
         "kv_cache_scheme": None,
     }
 
@@ -468,12 +510,15 @@ def _split_into_shards(specs: list[TensorSpec], num_shards: int, itemsize: int) 
 def _materialize_all(group: list[TensorSpec], dtype: torch.dtype, generator: torch.Generator,
                      quantization: dict | None) -> dict[str, torch.Tensor]:
     tensors = {}
-    strategy = None
+    strategy = block = None
     if quantization:
-        strategy = quantization["config_groups"]["group_0"]["weights"]["strategy"]
+        weights = quantization["config_groups"]["group_0"]["weights"]
+        strategy, block = weights["strategy"], weights.get("block_structure")
     for spec in group:
         values = _materialize(spec, dtype, generator)
-        if _quantized_module(spec, quantization):
+        if _quantized_module(spec, quantization) and strategy == "block":
+            tensors[spec.name], tensors[spec.name + "_scale"] = quantize_fp8_block(values, tuple(block))
+        elif _quantized_module(spec, quantization):
             tensors[spec.name], tensors[spec.name + "_scale"] = quantize_fp8(values, strategy)
         else:
             tensors[spec.name] = values

@@ -131,3 +131,30 @@ def test_every_transformers_version_in_the_env_matrix(vllm_envs, sources, run_cl
         assert read_spec(read_config(saved / "target"), source="t").dialect == dialect
         for layout in ("per-layer", "pad-global"):
             _same_conversion(run_cli, sources[name][0], saved, tmp_path / name / layout, layout)
+
+
+# ------------------------------------------------------------------------------------ 26B-A4B MoE block
+
+MOE_TENSORS = ("router.proj.weight", "router.scale", "router.per_expert_scale", "experts.gate_up_proj",
+               "experts.down_proj", "post_feedforward_layernorm_1.weight", "post_feedforward_layernorm_2.weight",
+               "pre_feedforward_layernorm_2.weight")
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "pad-global"])
+def test_every_layout_copies_the_moe_block_raw(sources, run_cli, tmp_path, layout):
+    from conftest import load_tensors
+    import torch
+    src = sources["26b-a4b"][0]
+    result = run_cli("convert", "--target", src / "target", "--assistant", src / "assistant", "--out", tmp_path / "out",
+                     "--layout", layout)
+    assert result.code == 0, result.err
+    source, output = load_tensors(src / "target"), load_tensors(tmp_path / "out" / "target")
+    moe = [n for n in source if n.split(".layers.")[-1].split(".", 1)[-1] in MOE_TENSORS]
+    assert len(moe) == LAYERS * len(MOE_TENSORS)
+    assert all(output[n].dtype == source[n].dtype and torch.equal(output[n], source[n]) for n in moe)
+    actions = {t["name"]: t["action"] for t in read_config_file(tmp_path / "out" / "target" / "conversion.json")}
+    assert {actions[n] for n in moe} == {"kept"}
+
+
+def read_config_file(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["tensors"]

@@ -111,6 +111,11 @@ SOURCES = {
     "e2b": Source("e2b", "legacy", multimodal=False, num_shards=1),
     # compressed-tensors FP8 target (per-channel scales), like RedHatAI/gemma-4-31B-it-FP8-dynamic
     "31b-fp8": Source("31b", "legacy", multimodal=False, num_shards=2, fp8=True),
+    # 26B-A4B ratios with its MoE block (fused experts, router): vLLM splits gate_up_proj into w1/w3 per expert;
+    # the comparison covers every expert parameter (nothing missing or unexpected)
+    "26b-a4b-moe": Source("26b-a4b", "legacy", multimodal=True, num_shards=2),
+    # multimodal, config re-saved by transformers 5.23 (zero-cost to read: vision rope "axial" written back)
+    "31b-mm-resaved": Source("31b", "per_layer_config", multimodal=True, num_shards=2),
 }
 VARIANTS = ("original", "per-layer", "pad-global")
 ENV_NAMES = ("5.14.1", "newest")

@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar, Iterator
 
 from ..errors import InputError, UnsupportedLayoutError
 from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, attention_tensor_name,
-                      parse_attention_name)
+                      parse_attention_name, parse_moe_name)
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors_header import TensorRef
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, plan_shards
@@ -97,6 +97,7 @@ class Layout:
         spec = checkpoint.spec
         attention = list(find_attention_tensors(checkpoint))
         check_attention_tensors(attention, spec, source=str(checkpoint.path))
+        check_moe_tensors(checkpoint)
         claimed = {t.source.ref.name for t in attention}
         for ref in checkpoint.tensors.values():
             if ref.name not in claimed:
@@ -199,6 +200,33 @@ def check_attention_tensors(tensors: list[AttentionTensor], spec: ModelSpec, *, 
         if "v_proj" in modules and layer.k_eq_v:
             raise InputError(f"{source}: layer {layer.index} has a v_proj tensor but the config says "
                              "attention_k_eq_v (V is the K projection)")
+
+
+def check_moe_tensors(checkpoint: Checkpoint) -> None:
+    """Raises InputError when a fused router/experts tensor contradicts the config's MoE sizes, or an MoE layer has
+    no experts at all. Per-expert tensors (`experts.<id>.*`, how quantized checkpoints store them) are copied as
+    they are; vLLM 0.27 maps both forms (models/gemma4.py load_weights)."""
+    spec, source = checkpoint.spec, str(checkpoint.path)
+    if spec.moe is None:
+        return
+    want = spec.moe.fused_shapes()
+    with_experts: set[int] = set()
+    for ref in checkpoint.tensors.values():
+        parsed = parse_moe_name(ref.name, spec.weight_prefix)
+        if parsed is None:
+            continue
+        layer, suffix = parsed
+        if suffix.startswith("experts."):
+            with_experts.add(layer)
+        if suffix in want and tuple(ref.shape) != want[suffix]:
+            m = spec.moe
+            raise InputError(f"{source}: {ref.name} has shape {list(ref.shape)} but the config's MoE block "
+                             f"({m.num_experts} experts, moe_intermediate_size {m.intermediate_size}, hidden "
+                             f"{m.hidden_size}) implies {list(want[suffix])}; config and weights disagree")
+    missing = [i for i in range(len(spec.attention.layer_types)) if i not in with_experts]
+    if missing:
+        raise InputError(f"{source}: enable_moe_block is true but layer {missing[0]} has no experts tensors "
+                         f"({spec.weight_prefix}layers.{missing[0]}.experts.gate_up_proj / .down_proj)")
 
 
 def explicit_geometry(attention: AttentionConfig, **overrides: Any) -> dict[str, Any]:
