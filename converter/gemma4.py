@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import InputError
-from .quantization import check_quantization_config
+from .quantization import check_quantization_config, modelopt_from_hf_quant_config
 
 TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text"}
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -147,12 +147,14 @@ def text_config_of(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return nested if isinstance(nested, Mapping) else config
 
 
-def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
+def read_spec(config: Mapping[str, Any], *, source: str, hf_quant_config: Any = None) -> ModelSpec:
     """Interprets a Gemma 4 target or assistant config.json.
 
     Args:
         config: the parsed config.json.
         source: file name used in error messages.
+        hf_quant_config: the parsed hf_quant_config.json (Model Optimizer), used when config.json has no
+            quantization_config, as vLLM 0.27 does.
 
     Returns:
         The ModelSpec.
@@ -173,7 +175,8 @@ def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
         raise InputError(f"{source}: model_type {model_type!r} needs a `text_config` object")
     text = text_config_of(config)
     dialect, attention = _read_attention(text, role=role, source=source)
-    quantization = config.get("quantization_config") or text.get("quantization_config")
+    quantization = (config.get("quantization_config") or text.get("quantization_config")
+                    or modelopt_from_hf_quant_config(hf_quant_config))
     if quantization is not None and not isinstance(quantization, Mapping):
         raise InputError(f"{source}: `quantization_config` must be an object, got {quantization!r}")
     check_quantization_config(quantization, source=source)

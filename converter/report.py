@@ -13,8 +13,8 @@ from .errors import InputError
 from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
 from .io.checkpoint import Checkpoint
 from .layouts import get_layout
-from .layouts.base import (AttentionTensor, check_attention_tensors, check_moe_tensors, expected_shape,
-                           find_attention_tensors)
+from .layouts.base import (AttentionTensor, check_attention_scales, check_attention_tensors, check_moe_tensors,
+                           check_quantized_attention, expected_shape, find_attention_tensors)
 from .quantization import weight_scheme
 
 REPORT_VERSION = 1
@@ -120,8 +120,12 @@ def _quantization(spec: ModelSpec) -> dict[str, Any] | None:
     schemes = sorted({weight_scheme(config, f"{spec.weight_prefix}layers.{i}.self_attn.{m}").describe()
                       for i in range(len(spec.attention.layer_types)) for m in ("q_proj", "k_proj", "v_proj", "o_proj")
                       if weight_scheme(config, f"{spec.weight_prefix}layers.{i}.self_attn.{m}")})
-    return {"method": config.get("quant_method"), "format": config.get("format"),
-            "attention_schemes": schemes, "ignore": list(config.get("ignore") or []), "config": dict(config)}
+    mlp = sorted({scheme.describe() for i in range(len(spec.attention.layer_types))
+                  for m in ("gate_proj", "up_proj", "down_proj")
+                  if (scheme := weight_scheme(config, f"{spec.weight_prefix}layers.{i}.mlp.{m}"))})
+    return {"method": config.get("quant_method"), "format": config.get("format") or config.get("quant_algo"),
+            "attention_schemes": schemes, "mlp_schemes": mlp,
+            "ignore": list(config.get("ignore") or config.get("exclude_modules") or []), "config": dict(config)}
 
 
 def _moe(checkpoint: Checkpoint) -> dict[str, Any] | None:
@@ -143,7 +147,9 @@ def _moe(checkpoint: Checkpoint) -> dict[str, Any] | None:
 
 def _problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
     problems = []
-    for check in (lambda: check_attention_tensors(tensors, checkpoint.spec, source=str(checkpoint.path)),
+    for check in (lambda: check_quantized_attention(checkpoint.spec, source=str(checkpoint.path)),
+                  lambda: check_attention_tensors(tensors, checkpoint.spec, source=str(checkpoint.path)),
+                  lambda: check_attention_scales(tensors, checkpoint.spec, source=str(checkpoint.path)),
                   lambda: check_moe_tensors(checkpoint)):
         try:
             check()

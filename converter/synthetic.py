@@ -464,6 +464,41 @@ def quantize_fp8(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, tor
     return quantized, scale
 
 
+NVFP4_GROUP = 16
+MODELOPT_EXCLUDE = ("lm_head", "*self_attn*", "*vision_tower*", "*embed_vision*")
+
+
+def modelopt_nvfp4_config(exclude: tuple[str, ...] = MODELOPT_EXCLUDE) -> dict:
+    """config.json quantization_config of a Model Optimizer NVFP4 export (W4A4, group 16) in the form vLLM 0.27's
+    ModelOptQuantConfigBase.from_config reads (quant_method/quant_algo/group_size/ignore); the default excludes
+    every self_attn module, like nvidia/Gemma-4-31B-IT-NVFP4. KV-cache quantization is not modelled (no k/v
+    scale tensors are written), so none is declared."""
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": NVFP4_GROUP, "kv_cache_scheme": None,
+            "ignore": list(exclude), "producer": {"name": "modelopt", "version": "synthetic"}}
+
+
+def hf_quant_config(config: dict) -> dict:
+    """hf_quant_config.json beside config.json, the file Model Optimizer writes (same facts, its own keys)."""
+    return {"producer": config["producer"],
+            "quantization": {"quant_algo": config["quant_algo"], "kv_cache_quant_algo": None,
+                             "group_size": config["group_size"], "exclude_modules": config["ignore"]}}
+
+
+def quantize_nvfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """NVFP4 as Model Optimizer stores it: packed e2m1 pairs `weight` uint8 [out, in/2], fp8 `weight_scale`
+    [out, in/16] per group, fp32 `weight_scale_2` (global, scalar) and `input_scale` (scalar); values packed by
+    compressed-tensors' quantize_and_pack_fp4 (the same e2m1 packing vLLM's NVFP4 kernels read)."""
+    from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4
+    rows, columns = weight.shape
+    values = weight.float()
+    global_scale = 448.0 * 6.0 / values.abs().amax().clamp(min=1e-12)
+    group_amax = values.reshape(rows, columns // NVFP4_GROUP, NVFP4_GROUP).abs().amax(-1)
+    scale = (group_amax / 6.0 * global_scale).to(torch.float8_e4m3fn)
+    packed = quantize_and_pack_fp4(values, scale.float(), global_scale=global_scale, group_size=NVFP4_GROUP)
+    return {"": packed, "_scale": scale, "_scale_2": (1.0 / global_scale).reshape(()).float(),
+            "input_scale": torch.tensor(1.0, dtype=torch.float32)}
+
+
 def _quantized_module(spec: TensorSpec, quantization: dict | None) -> str | None:
     if quantization is None or spec.kind != "linear" or not spec.name.endswith("_proj.weight"):
         return None
@@ -511,12 +546,16 @@ def _materialize_all(group: list[TensorSpec], dtype: torch.dtype, generator: tor
                      quantization: dict | None) -> dict[str, torch.Tensor]:
     tensors = {}
     strategy = block = None
-    if quantization:
+    if quantization and "config_groups" in quantization:
         weights = quantization["config_groups"]["group_0"]["weights"]
         strategy, block = weights["strategy"], weights.get("block_structure")
     for spec in group:
         values = _materialize(spec, dtype, generator)
-        if _quantized_module(spec, quantization) and strategy == "block":
+        if _quantized_module(spec, quantization) and quantization.get("quant_method") == "modelopt":
+            for suffix, tensor in quantize_nvfp4(values).items():
+                # `weight`, `weight_scale`, `weight_scale_2`; the activation scale sits beside the weight
+                tensors[spec.name[:-len("weight")] + suffix if suffix == "input_scale" else spec.name + suffix] = tensor
+        elif _quantized_module(spec, quantization) and strategy == "block":
             tensors[spec.name], tensors[spec.name + "_scale"] = quantize_fp8_block(values, tuple(block))
         elif _quantized_module(spec, quantization):
             tensors[spec.name], tensors[spec.name + "_scale"] = quantize_fp8(values, strategy)
@@ -563,6 +602,8 @@ def _write_directory(out: Path, config: dict, specs: list[TensorSpec], *, num_sh
     out.mkdir(parents=True, exist_ok=True)
     if quantization:
         config = {**config, "quantization_config": quantization}
+    if quantization and quantization.get("quant_method") == "modelopt":
+        (out / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(quantization), indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, text in SIDE_FILES.items():
         (out / name).write_text(text)

@@ -13,10 +13,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import read_config, text_config
+from conftest import load_tensors, read_config, text_config
 from converter.gemma4 import FULL, read_spec
-from converter.synthetic import assistant_config, scaled_preset, target_config, write_pair
+from converter.synthetic import (assistant_config, modelopt_nvfp4_config, scaled_preset, target_config, tiny_preset,
+                                 write_pair)
 from test_vllm027 import vllm_envs  # noqa: F401  (fixture: the cached vLLM envs, skip or fail as that module does)
 
 PRESET_NAMES = ("31b", "26b-a4b", "e2b", "e4b")
@@ -142,8 +144,6 @@ MOE_TENSORS = ("router.proj.weight", "router.scale", "router.per_expert_scale", 
 
 @pytest.mark.parametrize("layout", ["per-layer", "pad-global"])
 def test_every_layout_copies_the_moe_block_raw(sources, run_cli, tmp_path, layout):
-    from conftest import load_tensors
-    import torch
     src = sources["26b-a4b"][0]
     result = run_cli("convert", "--target", src / "target", "--assistant", src / "assistant", "--out", tmp_path / "out",
                      "--layout", layout)
@@ -152,9 +152,59 @@ def test_every_layout_copies_the_moe_block_raw(sources, run_cli, tmp_path, layou
     moe = [n for n in source if n.split(".layers.")[-1].split(".", 1)[-1] in MOE_TENSORS]
     assert len(moe) == LAYERS * len(MOE_TENSORS)
     assert all(output[n].dtype == source[n].dtype and torch.equal(output[n], source[n]) for n in moe)
-    actions = {t["name"]: t["action"] for t in read_config_file(tmp_path / "out" / "target" / "conversion.json")}
-    assert {actions[n] for n in moe} == {"kept"}
+    manifest = json.loads((tmp_path / "out" / "target" / "conversion.json").read_text())
+    assert {t["action"] for t in manifest["tensors"] if t["name"] in moe} == {"kept"}
 
 
-def read_config_file(path: Path) -> list[dict]:
-    return json.loads(path.read_text())["tensors"]
+# ------------------------------------------------------------------------------------ Model Optimizer NVFP4
+
+@pytest.fixture(scope="module")
+def nvfp4_pair(tmp_path_factory):
+    """Like nvidia/Gemma-4-31B-IT-NVFP4: MLPs NVFP4 (group 16), every self_attn module excluded (bf16)."""
+    root = tmp_path_factory.mktemp("nvfp4")
+    write_pair(root, preset=tiny_preset("31b"), num_shards=2, quantization=modelopt_nvfp4_config())
+    return root
+
+
+def test_nvfp4_pad_global_transforms_bf16_attention_and_copies_fp4_raw(nvfp4_pair, run_cli, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("convert", "--target", nvfp4_pair / "target", "--assistant", nvfp4_pair / "assistant",
+                     "--out", out, "--layout", "pad-global")
+    assert result.code == 0, result.err
+    source, output = load_tensors(nvfp4_pair / "target"), load_tensors(out / "target")
+    quantized = [n for n, t in source.items() if ".mlp." in n and n.endswith(("weight_scale", "weight_scale_2",
+                                                                                  "input_scale"))]
+    packed = [n for n, t in source.items() if t.dtype == torch.uint8]
+    assert len(packed) == 3 * 6 and len(quantized) == 3 * 3 * 6  # gate/up/down in each of the 6 layers
+    assert all(torch.equal(output[n], source[n]) for n in packed + quantized)
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert source[q].dtype == torch.bfloat16 and output[q].shape[0] == 2 * source[q].shape[0]
+    assert (out / "target" / "hf_quant_config.json").read_bytes() == \
+        (nvfp4_pair / "target" / "hf_quant_config.json").read_bytes()
+    assert read_config(out / "target")["quantization_config"] == read_config(nvfp4_pair / "target")[
+        "quantization_config"]
+    verified = run_cli("verify", "--target", nvfp4_pair / "target", "--assistant", nvfp4_pair / "assistant",
+                       "--converted", out, "--device", "cpu")
+    assert verified.code == 0, verified.out
+
+
+def test_inspect_shows_nvfp4_mlp_and_bf16_attention(nvfp4_pair, run_cli):
+    report = json.loads(run_cli("inspect", "--json", nvfp4_pair / "target").out)
+    assert report["quantization"]["method"] == "modelopt"
+    assert report["quantization"]["attention_schemes"] == []
+    assert report["quantization"]["mlp_schemes"] == ["modelopt NVFP4 group 16"]
+    assert set(report["layers"][0]["quantization"].values()) == {"unquantized (ignored)"}
+    assert not report["problems"]
+
+
+def test_hf_quant_config_alone_is_read_like_vllm_does(nvfp4_pair, tmp_path, run_cli):
+    """vLLM 0.27 falls back to hf_quant_config.json when config.json has no quantization_config."""
+    import shutil
+    target = tmp_path / "target"
+    shutil.copytree(nvfp4_pair / "target", target)
+    document = read_config(target)
+    del document["quantization_config"]
+    (target / "config.json").write_text(json.dumps(document))
+    report = json.loads(run_cli("inspect", "--json", target).out)
+    assert report["quantization"]["method"] == "modelopt"
+    assert report["quantization"]["ignore"] == list(modelopt_nvfp4_config()["ignore"])

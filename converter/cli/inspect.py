@@ -61,7 +61,8 @@ def render(report: dict[str, Any]) -> None:
     if report["quantization"]:
         q = report["quantization"]
         click.echo(f"  quantization: {q['method']} {q['format'] or ''}; attention schemes "
-                   f"{', '.join(q['attention_schemes']) or 'none'}; ignored: {', '.join(q['ignore']) or 'nothing'}")
+                   f"{', '.join(q['attention_schemes']) or 'none'}; mlp schemes {', '.join(q['mlp_schemes']) or 'none'}"
+                   f"; ignored: {', '.join(q['ignore']) or 'nothing'}")
     if report["conversion"]:
         c = report["conversion"]
         click.echo(f"  converted by gemma4-convert {c['tool_version']}: layout {c['layout']}"

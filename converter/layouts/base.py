@@ -11,6 +11,7 @@ from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, 
                       parse_attention_name, parse_moe_name)
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors_header import TensorRef
+from ..quantization import MODELOPT, weight_scheme
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, plan_shards
 
 _REGISTRY: dict[str, type["Layout"]] = {}
@@ -74,6 +75,7 @@ class Layout:
     def plan(self, checkpoint: Checkpoint, *, max_shard_bytes: int | None = None) -> CheckpointPlan:
         """The complete plan for one checkpoint: every tensor, the shards, the new config."""
         spec = checkpoint.spec
+        check_quantized_attention(spec, source=str(checkpoint.path))
         warnings = self.check(spec, source=str(checkpoint.path))
         tensors = list(self._plan_tensors(checkpoint))
         shards, indexed = plan_shards(tensors, source_files=[s.file.name for s in checkpoint.shards],
@@ -97,6 +99,7 @@ class Layout:
         spec = checkpoint.spec
         attention = list(find_attention_tensors(checkpoint))
         check_attention_tensors(attention, spec, source=str(checkpoint.path))
+        check_attention_scales(attention, spec, source=str(checkpoint.path))
         check_moe_tensors(checkpoint)
         claimed = {t.source.ref.name for t in attention}
         for ref in checkpoint.tensors.values():
@@ -200,6 +203,44 @@ def check_attention_tensors(tensors: list[AttentionTensor], spec: ModelSpec, *, 
         if "v_proj" in modules and layer.k_eq_v:
             raise InputError(f"{source}: layer {layer.index} has a v_proj tensor but the config says "
                              "attention_k_eq_v (V is the K projection)")
+
+
+def check_attention_scales(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> None:
+    """Raises InputError when a compressed-tensors fp8 attention weight has no `weight_scale`, or a block scale's
+    shape is not one value per [rows, columns] block (layouts move scales together with their weights)."""
+    scales = {(t.layer.index, t.module): t for t in tensors if t.param == "weight_scale"}
+    for tensor in tensors:
+        name = f"{spec.weight_prefix}layers.{tensor.layer.index}.self_attn.{tensor.module}"
+        scheme = weight_scheme(spec.quantization, name) if tensor.param == "weight" else None
+        if scheme is None or not scheme.is_fp8 or not tensor.source.ref.dtype.startswith("F8"):
+            continue
+        scale = scales.get((tensor.layer.index, tensor.module))
+        if scale is None:
+            raise InputError(f"{source}: {tensor.source.ref.name} is {scheme.describe()} but {name}.weight_scale is "
+                             "missing; the checkpoint cannot be dequantized")
+        if scheme.block_structure:
+            rows, columns = tensor.source.shape
+            want = (-(-rows // scheme.block_structure[0]), -(-columns // scheme.block_structure[1]))
+            if tuple(scale.source.shape) != want:
+                raise InputError(f"{source}: {scale.source.ref.name} has shape {list(scale.source.shape)} but "
+                                 f"{scheme.describe()} scales of a {[rows, columns]} weight are {list(want)}")
+
+
+def check_quantized_attention(spec: ModelSpec, *, source: str) -> None:
+    """Model Optimizer checkpoints convert only with every attention projection excluded from quantization (as
+    nvidia/Gemma-4-31B-IT-NVFP4 ships them): packed fp4 attention weights can be neither checked against the
+    config's geometry nor moved exactly. Raises InputError naming the first quantized one."""
+    if not spec.quantization or spec.quantization.get("quant_method") != MODELOPT:
+        return
+    for layer in spec.attention.layers:
+        for module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            name = f"{spec.weight_prefix}layers.{layer.index}.self_attn.{module}"
+            scheme = weight_scheme(spec.quantization, name)
+            if scheme is not None:
+                raise InputError(f"{source}: {name} is quantized as {scheme.describe()}; Model Optimizer checkpoints "
+                                 "convert only when every self_attn module is excluded from quantization (like "
+                                 "nvidia/Gemma-4-31B-IT-NVFP4): packed fp4 attention weights cannot be checked or "
+                                 "padded exactly")
 
 
 def check_moe_tensors(checkpoint: Checkpoint) -> None:
