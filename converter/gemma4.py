@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import InputError
-from .quantization import check_quantization_config
+from .quantization import check_quantization_config, modelopt_from_hf_quant_config
 
 TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text"}
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -99,6 +99,23 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The 26B-A4B mixture-of-experts block beside each layer's dense MLP (`enable_moe_block`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    hidden_size: int
+
+    def fused_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-layer tensor suffix -> shape, as transformers' Gemma4TextRouter / Gemma4TextExperts store them
+        (experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]; vLLM 0.27 splits them on load)."""
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        return {"router.proj.weight": (e, h), "router.scale": (h,), "router.per_expert_scale": (e,),
+                "experts.gate_up_proj": (e, 2 * i, h), "experts.down_proj": (e, h, i)}
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A checkpoint's identity and geometry, decided from config.json alone."""
 
@@ -111,6 +128,7 @@ class ModelSpec:
     attention: AttentionConfig
     backbone_hidden_size: int | None
     quantization: Mapping[str, Any] | None
+    moe: MoeConfig | None = None
 
     @property
     def kind(self) -> str:
@@ -129,12 +147,14 @@ def text_config_of(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return nested if isinstance(nested, Mapping) else config
 
 
-def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
+def read_spec(config: Mapping[str, Any], *, source: str, hf_quant_config: Any = None) -> ModelSpec:
     """Interprets a Gemma 4 target or assistant config.json.
 
     Args:
         config: the parsed config.json.
         source: file name used in error messages.
+        hf_quant_config: the parsed hf_quant_config.json (Model Optimizer), used when config.json has no
+            quantization_config, as vLLM 0.27 does.
 
     Returns:
         The ModelSpec.
@@ -155,7 +175,8 @@ def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
         raise InputError(f"{source}: model_type {model_type!r} needs a `text_config` object")
     text = text_config_of(config)
     dialect, attention = _read_attention(text, role=role, source=source)
-    quantization = config.get("quantization_config") or text.get("quantization_config")
+    quantization = (config.get("quantization_config") or text.get("quantization_config")
+                    or modelopt_from_hf_quant_config(hf_quant_config))
     if quantization is not None and not isinstance(quantization, Mapping):
         raise InputError(f"{source}: `quantization_config` must be an object, got {quantization!r}")
     check_quantization_config(quantization, source=source)
@@ -169,7 +190,16 @@ def read_spec(config: Mapping[str, Any], *, source: str) -> ModelSpec:
         attention=attention,
         backbone_hidden_size=config.get("backbone_hidden_size"),
         quantization=quantization,
+        moe=_read_moe(text, attention.hidden_size, source),
     )
+
+
+def _read_moe(text: Mapping[str, Any], hidden_size: int, source: str) -> MoeConfig | None:
+    if not text.get("enable_moe_block"):
+        return None
+    return MoeConfig(num_experts=_require_int(text, "num_experts", source),
+                     top_k=_require_int(text, "top_k_experts", source),
+                     intermediate_size=_require_int(text, "moe_intermediate_size", source), hidden_size=hidden_size)
 
 
 def _require_int(text: Mapping[str, Any], key: str, source: str) -> int:
@@ -238,9 +268,14 @@ def _read_per_layer_config(per_layer: Any, layer_types: tuple[str, ...], head_di
     if not isinstance(per_layer, Mapping):
         raise InputError(f"{source}: `per_layer_config` must be an object keyed by layer index")
     overrides: dict[str, set[tuple[int, int]]] = {FULL: set(), SLIDING: set()}
+    seen: set[int] = set()
     for key, values in per_layer.items():
         if not re.fullmatch(r"\d+", str(key)) or int(key) >= len(layer_types) or not isinstance(values, Mapping):
             raise InputError(f"{source}: `per_layer_config` entry {key!r} is not a valid layer index with overrides")
+        # transformers' save_pretrained zero-pads the keys to the widest index ("05" ... "59"); compare as integers
+        if int(key) in seen:
+            raise InputError(f"{source}: `per_layer_config` names layer {int(key)} twice")
+        seen.add(int(key))
         unknown = set(values) - _PER_LAYER_OVERRIDES
         if unknown:
             raise InputError(f"{source}: `per_layer_config[{key}]` overrides {sorted(unknown)}, "
@@ -250,7 +285,7 @@ def _read_per_layer_config(per_layer: Any, layer_types: tuple[str, ...], head_di
             raise InputError(f"{source}: `per_layer_config[{key}]` values must be positive integers, got {values!r}")
         overrides[layer_types[int(key)]].add(value)
     for index, layer_type in enumerate(layer_types):
-        if str(index) not in per_layer and index not in per_layer:
+        if index not in seen:
             overrides[layer_type].add((head_dim, num_kv))
     if overrides[SLIDING] - {(head_dim, num_kv)}:
         raise InputError(f"{source}: `per_layer_config` overrides sliding layers; vLLM 0.27 cannot express that")
@@ -284,3 +319,14 @@ def parse_attention_name(name: str, prefix: str) -> AttentionTensorName | None:
 
 def attention_tensor_name(prefix: str, layer: int, module: str, param: str) -> str:
     return f"{prefix}layers.{layer}.self_attn.{module}.{param}"
+
+
+_MOE_NAME = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<suffix>(?:router|experts)\..+)$")
+
+
+def parse_moe_name(name: str, prefix: str) -> tuple[int, str] | None:
+    """(layer, suffix such as 'experts.gate_up_proj') of a text-decoder router/experts tensor, else None."""
+    match = _MOE_NAME.match(name)
+    if not match or match["prefix"] != prefix:
+        return None
+    return int(match["layer"]), match["suffix"]

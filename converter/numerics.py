@@ -42,15 +42,26 @@ def _load(piece: SourceSlice, device: torch.device) -> torch.Tensor:
 
 
 def dequantize(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp8 `X.weight` x `X.weight_scale` (per row [out, 1] or per tensor) -> fp32 `X.weight`; activation scales
-    (`input_scale`) are dropped: the check compares the weights' math, not vLLM's activation quantization."""
+    """fp8 `X.weight` x `X.weight_scale` (per row [out, 1], per tensor, or per [rows, columns] block) -> fp32
+    `X.weight`; activation scales (`input_scale`) are dropped: the check compares the weights' math, not vLLM's
+    activation quantization."""
     result = {}
     for name, tensor in weights.items():
         if name.endswith((".weight_scale", ".input_scale")):
             continue
         scale = weights.get(name + "_scale")
-        result[name] = tensor.float() * scale.float() if scale is not None else tensor
+        result[name] = tensor.float() * expand_scale(scale, tensor.shape) if scale is not None else tensor
     return result
+
+
+def expand_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A weight scale broadcast to the weight's shape: block scales [ceil(out/br), ceil(in/bc)] repeat over their
+    blocks (the last block may be partial); per-row and per-tensor scales broadcast as they are."""
+    scale = scale.float()
+    if scale.dim() != 2 or len(shape) != 2 or scale.shape[1] == 1:
+        return scale
+    rows, columns = -(-shape[0] // scale.shape[0]), -(-shape[1] // scale.shape[1])
+    return scale.repeat_interleave(rows, dim=0)[:shape[0]].repeat_interleave(columns, dim=1)[:, :shape[1]]
 
 
 def layer_attention_weights(checkpoint: Checkpoint, layer: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -1,20 +1,28 @@
-"""Which quantization scheme applies to which module, from a compressed-tensors `quantization_config` (pure).
+"""Which quantization scheme applies to which module, from a compressed-tensors or NVIDIA Model Optimizer
+`quantization_config` (pure).
 
 compressed-tensors matches `ignore` entries and group `targets` against module names: an exact name,
 a `re:` regular expression (re.match), or a class name such as "Linear" (every projection here is one).
 Anchors: compressed-tensors `quantization/lifecycle/apply.py` (ignore wins over targets) and
 `quantization/quant_args.py` (strategy: tensor | channel | group | block | token | tensor_group).
+
+Model Optimizer (`quant_method: modelopt`, e.g. nvidia/Gemma-4-31B-IT-NVFP4) lists excluded modules as
+wildcards (`ignore` in config.json, `exclude_modules` in hf_quant_config.json); a module is excluded when a
+pattern fnmatches its name or is a substring of it, as vLLM 0.27's `ModelOptQuantConfigBase.is_layer_excluded`
+decides (quantization/modelopt.py:140-176).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from typing import Any, Mapping
 
 from .errors import InputError
 
 COMPRESSED_TENSORS = "compressed-tensors"
+MODELOPT = "modelopt"
 # Strategies whose scales are per output row or per tensor: padding/replicating rows and zero columns stay exact.
 ROW_EXACT_STRATEGIES = ("channel", "tensor")
 
@@ -29,11 +37,16 @@ class WeightScheme:
     num_bits: int | None
     strategy: str | None
     group_size: int | None
+    block_structure: tuple[int, int] | None = None  # strategy "block": [rows, columns] per scale
 
     def describe(self) -> str:
+        if self.method == MODELOPT:
+            return f"modelopt {self.format}" + (f" group {self.group_size}" if self.group_size else "")
         if self.method != COMPRESSED_TENSORS:
             return f"{self.method} ({self.format or 'unknown format'})"
         size = f" {self.group_size}" if self.group_size else ""
+        if self.block_structure:
+            size = f" {self.block_structure[0]}x{self.block_structure[1]}"
         return f"{self.type}{self.num_bits} {self.strategy}{size} ({self.format})"
 
     @property
@@ -64,6 +77,12 @@ def check_quantization_config(config: Any, *, source: str) -> None:
             raise InputError(f"{source}: quantization_config.config_groups.{name}.targets must be a list of strings")
         if weights is not None and not isinstance(weights, Mapping):
             raise InputError(f"{source}: quantization_config.config_groups.{name}.weights must be an object")
+        block = (weights or {}).get("block_structure")
+        if (weights or {}).get("strategy") == "block" and not (
+                isinstance(block, list) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise InputError(f"{source}: quantization_config.config_groups.{name}.weights.block_structure must be "
+                             f"[rows, columns] of positive integers for strategy 'block', got {block!r}")
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -80,6 +99,8 @@ def weight_scheme(config: Mapping[str, Any] | None, module: str) -> WeightScheme
     if not config:
         return None
     method = str(config.get("quant_method", "unknown"))
+    if method == MODELOPT:
+        return _modelopt_scheme(config, module)
     if method != COMPRESSED_TENSORS:
         return WeightScheme(method=method, format=config.get("quant_type") or config.get("fmt"), type=None,
                             num_bits=config.get("bits"), strategy=None, group_size=config.get("group_size"))
@@ -88,7 +109,27 @@ def weight_scheme(config: Mapping[str, Any] | None, module: str) -> WeightScheme
     for group in (config.get("config_groups") or {}).values():
         weights = group.get("weights") if isinstance(group, Mapping) else None
         if weights and any(_matches(target, module) for target in group.get("targets") or []):
+            block = weights.get("block_structure")
             return WeightScheme(method=method, format=config.get("format"), type=weights.get("type"),
                                 num_bits=weights.get("num_bits"), strategy=weights.get("strategy"),
-                                group_size=weights.get("group_size"))
+                                group_size=weights.get("group_size"),
+                                block_structure=tuple(block) if block else None)
     return None
+
+
+def _modelopt_scheme(config: Mapping[str, Any], module: str) -> WeightScheme | None:
+    patterns = config.get("ignore") or config.get("exclude_modules") or []
+    if any(fnmatch(module, p) or p in module for p in patterns if isinstance(p, str)):
+        return None
+    algo = str(config.get("quant_algo") or "unknown").upper()
+    bits = 4 if "FP4" in algo else 8 if "FP8" in algo else None
+    return WeightScheme(method=MODELOPT, format=algo, type="float", num_bits=bits, strategy=None,
+                        group_size=config.get("group_size"))
+
+
+def modelopt_from_hf_quant_config(document: Any) -> dict[str, Any] | None:
+    """hf_quant_config.json ({"producer": ..., "quantization": {...}}) as a config.json-style modelopt
+    quantization_config; vLLM 0.27 reads that file when config.json has no quantization_config."""
+    if not isinstance(document, Mapping) or not isinstance(document.get("quantization"), Mapping):
+        return None
+    return {"quant_method": MODELOPT, **dict(document["quantization"])}

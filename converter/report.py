@@ -9,10 +9,12 @@ from collections import Counter
 from typing import Any
 
 from .cost import kv_costs
-from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec
+from .errors import InputError
+from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
 from .io.checkpoint import Checkpoint
 from .layouts import get_layout
-from .layouts.base import AttentionTensor, attention_problems, expected_shape, find_attention_tensors
+from .layouts.base import (AttentionTensor, attention_problems, check_attention_scales, check_moe_tensors,
+                           check_quantized_attention, expected_shape, find_attention_tensors)
 from .quantization import weight_scheme
 from .vllm_loading import RAISES, TensorLoad, predict_weight_loading
 
@@ -25,7 +27,8 @@ def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
     spec = checkpoint.spec
     attention_tensors = list(find_attention_tensors(checkpoint))
     contradictions = attention_problems(attention_tensors, spec, source=str(checkpoint.path))
-    problems = [p.message for p in contradictions] + _dtype_problems(checkpoint, attention_tensors)
+    problems = ([p.message for p in contradictions] + _dtype_problems(checkpoint, attention_tensors)
+                + _scheme_problems(checkpoint, attention_tensors))
     recognized = _recognized_layout(checkpoint)
     return {
         "report_version": REPORT_VERSION,
@@ -44,6 +47,7 @@ def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         "tensor_count": len(checkpoint.tensors),
         "total_bytes": checkpoint.total_bytes,
         "quantization": _quantization(spec),
+        "moe": _moe(checkpoint),
         "conversion": _conversion(checkpoint, recognized),
         "vllm_0_27": predict_vllm(spec, attention_tensors, predict_weight_loading(contradictions, spec)),
         "recommendation": _recommendation(spec, recognized),
@@ -119,8 +123,29 @@ def _quantization(spec: ModelSpec) -> dict[str, Any] | None:
     schemes = sorted({weight_scheme(config, f"{spec.weight_prefix}layers.{i}.self_attn.{m}").describe()
                       for i in range(len(spec.attention.layer_types)) for m in ("q_proj", "k_proj", "v_proj", "o_proj")
                       if weight_scheme(config, f"{spec.weight_prefix}layers.{i}.self_attn.{m}")})
-    return {"method": config.get("quant_method"), "format": config.get("format"),
-            "attention_schemes": schemes, "ignore": list(config.get("ignore") or []), "config": dict(config)}
+    mlp = sorted({scheme.describe() for i in range(len(spec.attention.layer_types))
+                  for m in ("gate_proj", "up_proj", "down_proj")
+                  if (scheme := weight_scheme(config, f"{spec.weight_prefix}layers.{i}.mlp.{m}"))})
+    return {"method": config.get("quant_method"), "format": config.get("format") or config.get("quant_algo"),
+            "attention_schemes": schemes, "mlp_schemes": mlp,
+            "ignore": list(config.get("ignore") or config.get("exclude_modules") or []), "config": dict(config)}
+
+
+def _moe(checkpoint: Checkpoint) -> dict[str, Any] | None:
+    """The MoE block: sizes from the config, how the experts are stored (every layout copies them raw)."""
+    spec = checkpoint.spec
+    if spec.moe is None:
+        return None
+    forms: dict[int, set[str]] = {}
+    for name in checkpoint.tensors:
+        parsed = parse_moe_name(name, spec.weight_prefix)
+        if parsed and parsed[1].startswith("experts."):
+            fused = parsed[1] in ("experts.gate_up_proj", "experts.down_proj")
+            forms.setdefault(parsed[0], set()).add("fused" if fused else "per-expert")
+    storage = sorted(set().union(*forms.values())) if forms else []
+    return {"num_experts": spec.moe.num_experts, "top_k_experts": spec.moe.top_k,
+            "moe_intermediate_size": spec.moe.intermediate_size, "layers_with_experts": len(forms),
+            "storage": "+".join(storage) or "missing"}
 
 
 def _dtype_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
@@ -135,6 +160,19 @@ def _dtype_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> l
     counts = ", ".join(f"{d} x{n}" for d, n in dtypes.most_common())
     return [f"{checkpoint.path}: attention tensors mix dtypes ({counts}; e.g. {example} is {rare}); vLLM 0.27 "
             f"casts each to the model dtype on load (param.data.copy_), so they do not keep their precision"]
+
+
+def _scheme_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
+    """Quantized attention under Model Optimizer, missing or misshapen fp8 scales, MoE tensors against the config."""
+    problems = []
+    for check in (lambda: check_quantized_attention(checkpoint.spec, source=str(checkpoint.path)),
+                  lambda: check_attention_scales(tensors, checkpoint.spec, source=str(checkpoint.path)),
+                  lambda: check_moe_tensors(checkpoint)):
+        try:
+            check()
+        except InputError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _recognized_layout(checkpoint: Checkpoint) -> str | None:

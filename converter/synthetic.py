@@ -4,18 +4,26 @@ No weights can be downloaded where this project is built and tested, so tests, t
 benchmarks all use this factory. Tensor names follow transformers 5.23's Gemma 4 modules
 (`tests/test_synthetic.py` checks them against a meta-device model).
 
+Config files: "legacy" is the published Hub file (written by transformers 5.5, before per_layer_config
+existed; nothing here can produce it, so it is written out). Every other dialect is what transformers'
+own config classes and `save_pretrained` make of that file (converter/resave.py), in this process or
+under another interpreter's transformers (`saved_by`), never an imitation.
+
 Geometry sources: the 31B target and assistant numbers are from their published config.json
-(FACTS.md section 1). The 26B-A4B target's attention numbers are from FACTS.md; its MoE expert and
-router tensors are LEFT OUT (they are never touched by a layout; `enable_moe_block` stays true in the
-config). E2B/E4B and the 26B-A4B assistant's hidden/intermediate sizes are approximations of the
+(FACTS.md section 1). The 26B-A4B target's attention and MoE numbers are from FACTS.md sections 1 and 9;
+its MoE block is written with transformers' own names and shapes (fused `experts.gate_up_proj`
+[E, 2I, H], `experts.down_proj` [E, H, I], `router.proj`/`router.scale`/`router.per_expert_scale`
+and the three extra layernorms). E2B/E4B and the 26B-A4B assistant's hidden/intermediate sizes are approximations of the
 public configs: attention ratios (head_dim 256/512, no k_eq_v, KV-shared tail layers, per-layer
 input embeddings, ordered-embedding assistants) are what matters to the converter.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -59,13 +67,17 @@ class Preset:
     moe: bool
     assistant: AssistantShape
     vision_hidden_size: int = 1152
+    num_experts: int = 0  # MoE block (moe=True): routed experts, experts per token, expert width
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
 
 
 PRESETS: dict[str, Preset] = {
     "31b": Preset("31b", 5376, 21504, (S,) * 5 + (F,), 32, 16, 4, 256, 512, True, 262144, 1024, 0, 0, False,
                   AssistantShape(1024, 8192, (S, S, S, F), False)),
     "26b-a4b": Preset("26b-a4b", 2816, 2112, (S,) * 5 + (F,), 16, 8, 2, 256, 512, True, 262144, 1024, 0, 0, True,
-                      AssistantShape(1024, 8192, (S, S, S, F), False)),
+                      AssistantShape(1024, 8192, (S, S, S, F), False),
+                      num_experts=128, top_k_experts=8, moe_intermediate_size=704),
     "e2b": Preset("e2b", 1536, 6144, (S,) * 4 + (F,), 8, 1, 1, 256, 512, False, 262144, 512, 20, 256, False,
                   AssistantShape(256, 2048, (S, S, S, F), True)),
     "e4b": Preset("e4b", 2560, 10240, (S,) * 5 + (F,), 8, 2, 2, 256, 512, False, 262144, 512, 18, 256, False,
@@ -104,7 +116,10 @@ def scaled_preset(name: str, *, width_divisor: int = 1, num_layers: int | None =
     assistant = replace(base.assistant, hidden_size=base.assistant.hidden_size // div,
                         intermediate_size=base.assistant.intermediate_size // div,
                         num_centroids=max(base.assistant.num_centroids // div, 4))
+    experts = max(base.num_experts // div, 4) if base.moe else 0
     return replace(base, hidden_size=base.hidden_size // div, intermediate_size=base.intermediate_size // div,
+                   num_experts=experts, top_k_experts=min(base.top_k_experts, experts // 2),
+                   moe_intermediate_size=base.moe_intermediate_size // div,
                    layer_types=_pattern(base.layer_types, layers), head_dim=base.head_dim // div,
                    global_head_dim=base.global_head_dim // div, vocab_size=vocab_size or base.vocab_size // div,
                    sliding_window=max(base.sliding_window // div, 4), num_kv_shared_layers=shared,
@@ -124,19 +139,10 @@ def tiny_preset(name: str = "31b") -> Preset:
 # ---------------------------------------------------------------------------------------------- configs
 
 def _attention_keys(*, head_dim: int, global_head_dim: int, num_kv: int, num_global_kv: int, k_eq_v: bool,
-                    layer_types: tuple[str, ...], dialect: str) -> dict:
-    keys: dict = {"head_dim": head_dim, "num_key_value_heads": num_kv, "attention_k_eq_v": k_eq_v,
-                  "layer_types": list(layer_types)}
-    if dialect in ("legacy", "both"):
-        keys.update(global_head_dim=global_head_dim, num_global_key_value_heads=num_global_kv)
-    if dialect in ("per_layer_config", "both"):
-        override = {"head_dim": global_head_dim}
-        if k_eq_v:
-            override["num_key_value_heads"] = num_global_kv
-        keys["per_layer_config"] = {str(i): dict(override) for i, t in enumerate(layer_types) if t == FULL}
-    if dialect not in ("legacy", "both", "per_layer_config"):
-        raise ValueError(f"unknown dialect {dialect!r}")
-    return keys
+                    layer_types: tuple[str, ...]) -> dict:
+    """The flat geometry keys of the published (legacy) dialect."""
+    return {"head_dim": head_dim, "global_head_dim": global_head_dim, "num_key_value_heads": num_kv,
+            "num_global_key_value_heads": num_global_kv, "attention_k_eq_v": k_eq_v, "layer_types": list(layer_types)}
 
 
 def _rope_parameters() -> dict:
@@ -144,14 +150,13 @@ def _rope_parameters() -> dict:
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
 
 
-def target_text_config(p: Preset, dialect: str) -> dict:
-    """The gemma4_text config of a target, in the requested dialect."""
+def target_text_config(p: Preset) -> dict:
+    """The gemma4_text config of a target, as the published (legacy) file has it."""
     config = {
         "model_type": "gemma4_text", "hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size,
         "num_hidden_layers": len(p.layer_types), "num_attention_heads": p.num_heads,
         **_attention_keys(head_dim=p.head_dim, global_head_dim=p.global_head_dim, num_kv=p.num_kv_heads,
-                          num_global_kv=p.num_global_kv_heads, k_eq_v=p.k_eq_v, layer_types=p.layer_types,
-                          dialect=dialect),
+                          num_global_kv=p.num_global_kv_heads, k_eq_v=p.k_eq_v, layer_types=p.layer_types),
         "vocab_size": p.vocab_size, "sliding_window": p.sliding_window, "rope_parameters": _rope_parameters(),
         "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 262144,
         "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "attention_bias": False,
@@ -161,7 +166,8 @@ def target_text_config(p: Preset, dialect: str) -> dict:
         "enable_moe_block": p.moe, "use_double_wide_mlp": False, "dtype": "bfloat16",
     }
     if p.moe:
-        config.update(num_experts=128, top_k_experts=8, moe_intermediate_size=704)
+        config.update(num_experts=p.num_experts, top_k_experts=p.top_k_experts,
+                      moe_intermediate_size=p.moe_intermediate_size)
     return config
 
 
@@ -170,11 +176,23 @@ def _vision_config(p: Preset) -> dict:
             "intermediate_size": 4 * p.vision_hidden_size, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 2, "head_dim": p.vision_hidden_size // 2, "patch_size": 16,
             "position_embedding_size": 10240, "pooling_kernel_size": 3, "rms_norm_eps": 1e-6,
+            # what Hub files written before transformers 5.15 say (5.15+ re-saves it as "axial", FACTS.md section 9)
+            "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
             "hidden_activation": "gelu_pytorch_tanh", "dtype": "bfloat16"}
 
 
-def target_config(p: Preset, *, dialect: str, multimodal: bool) -> dict:
-    text = target_text_config(p, dialect)
+def target_config(p: Preset, *, dialect: str, multimodal: bool, saved_by: str | None = None) -> dict:
+    """A target's config.json in `dialect`, re-saved by `saved_by`'s transformers when given (see in_dialect)."""
+    return in_dialect({"config": _hub_target_config(p, multimodal=multimodal)}, dialect, saved_by=saved_by)["config"]
+
+
+def assistant_config(p: Preset, *, dialect: str, saved_by: str | None = None) -> dict:
+    """An assistant's config.json in `dialect`, re-saved by `saved_by`'s transformers when given (see in_dialect)."""
+    return in_dialect({"config": _hub_assistant_config(p)}, dialect, saved_by=saved_by)["config"]
+
+
+def _hub_target_config(p: Preset, *, multimodal: bool) -> dict:
+    text = target_text_config(p)
     if not multimodal:
         return {"architectures": ["Gemma4ForCausalLM"], **text, "transformers_version": "5.5.0"}
     return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
@@ -183,14 +201,13 @@ def target_config(p: Preset, *, dialect: str, multimodal: bool) -> dict:
             "tie_word_embeddings": True, "dtype": "bfloat16", "transformers_version": "5.5.0"}
 
 
-def assistant_config(p: Preset, *, dialect: str) -> dict:
+def _hub_assistant_config(p: Preset) -> dict:
     a = p.assistant
     text = {
         "model_type": "gemma4_text", "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
         "num_hidden_layers": len(a.layer_types), "num_attention_heads": p.num_heads,
         **_attention_keys(head_dim=p.head_dim, global_head_dim=p.global_head_dim, num_kv=p.num_kv_heads,
-                          num_global_kv=p.num_global_kv_heads, k_eq_v=p.k_eq_v, layer_types=a.layer_types,
-                          dialect=dialect),
+                          num_global_kv=p.num_global_kv_heads, k_eq_v=p.k_eq_v, layer_types=a.layer_types),
         "num_kv_shared_layers": len(a.layer_types), "vocab_size": p.vocab_size,
         "sliding_window": p.sliding_window, "rope_parameters": _rope_parameters(), "rms_norm_eps": 1e-6,
         "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 262144,
@@ -205,6 +222,67 @@ def assistant_config(p: Preset, *, dialect: str) -> dict:
             "transformers_version": "5.5.0"}
 
 
+# ---------------------------------------------------------------------------------------------- dialects
+
+DIALECTS = ("legacy", "per_layer_config", "both")
+_RESAVE_SCRIPT = Path(__file__).with_name("resave.py")
+
+
+def resave_documents(documents: dict[str, dict], *, python: str | None = None) -> tuple[str, dict[str, dict]]:
+    """(transformers version, documents) after transformers' `save_pretrained`: this process's, or `python`'s.
+
+    Another interpreter runs converter/resave.py by path (it needs only transformers there), one process for
+    all documents.
+
+    Raises:
+        RuntimeError: the other interpreter failed (its last stderr line is in the message).
+    """
+    if python is None:
+        from .resave import resave_config, transformers_version
+        return transformers_version(), {name: resave_config(doc) for name, doc in documents.items()}
+    proc = subprocess.run([python, str(_RESAVE_SCRIPT)], input=json.dumps(documents), capture_output=True, text=True,
+                          timeout=600, check=False)
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{python} {_RESAVE_SCRIPT.name} failed (exit {proc.returncode}): {last}")
+    result = json.loads(proc.stdout)
+    return result["transformers"], result["configs"]
+
+
+def in_dialect(documents: dict[str, dict], dialect: str, *, saved_by: str | None = None) -> dict[str, dict]:
+    """Published (legacy) config documents turned into `dialect` by the producer that writes it.
+
+    legacy without saved_by: the published files as they are. Otherwise the files go through transformers'
+    `save_pretrained` (saved_by: the python whose transformers does it; default: this process): transformers
+    >= 5.15 writes per_layer_config (zero-padded keys, flat global keys popped), 5.14.1 the legacy keys.
+    "both" then puts the flat keys back beside per_layer_config (the hand edit of FACTS.md section 7).
+
+    Raises:
+        ValueError: unknown dialect, or the producer does not write the requested one (e.g. per_layer_config
+            asked of transformers 5.14.1).
+    """
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown dialect {dialect!r}; known: {', '.join(DIALECTS)}")
+    if dialect == "legacy" and saved_by is None:
+        return copy.deepcopy(documents)
+    version, saved = resave_documents(documents, python=saved_by)
+    for name, doc in saved.items():
+        text = doc.get("text_config") or doc
+        wrote = "per_layer_config" if "per_layer_config" in text else "legacy"
+        heterogeneous = _heterogeneous(documents[name].get("text_config") or documents[name])
+        if heterogeneous and wrote != ("legacy" if dialect == "legacy" else "per_layer_config"):
+            raise ValueError(f"transformers {version} writes the {wrote} dialect, not {dialect}")
+        if dialect == "both":
+            original = documents[name].get("text_config") or documents[name]
+            text.update({k: original[k] for k in ("global_head_dim", "num_global_key_value_heads")})
+    return saved
+
+
+def _heterogeneous(text: dict) -> bool:
+    return (text["head_dim"] != text["global_head_dim"]
+            or (text["attention_k_eq_v"] and text["num_key_value_heads"] != text["num_global_key_value_heads"]))
+
+
 # ---------------------------------------------------------------------------------------------- tensors
 
 @dataclass(frozen=True)
@@ -214,8 +292,21 @@ class TensorSpec:
     kind: str  # "linear" (fan-in scaled), "norm" (around 1), "embedding", "ordering"
 
 
+def _moe_block(base: str, p: Preset) -> Iterator[TensorSpec]:
+    """Gemma4TextRouter + Gemma4TextExperts + the block's extra norms (transformers modeling_gemma4.py), fused
+    experts as transformers stores them: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    hidden, experts, width = p.hidden_size, p.num_experts, p.moe_intermediate_size
+    yield TensorSpec(base + "router.proj.weight", (experts, hidden), "linear")
+    yield TensorSpec(base + "router.scale", (hidden,), "norm")
+    yield TensorSpec(base + "router.per_expert_scale", (experts,), "norm")
+    yield TensorSpec(base + "experts.gate_up_proj", (experts, 2 * width, hidden), "linear")
+    yield TensorSpec(base + "experts.down_proj", (experts, hidden, width), "linear")
+    for norm in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+        yield TensorSpec(base + norm + ".weight", (hidden,), "norm")
+
+
 def _decoder_layer(prefix: str, i: int, *, hidden: int, inter: int, p: Preset, layer_type: str,
-                   q_only: bool, fused_qkv: bool, ple: int) -> Iterator[TensorSpec]:
+                   q_only: bool, fused_qkv: bool, ple: int, moe: bool = False) -> Iterator[TensorSpec]:
     full = layer_type == FULL
     hd = p.global_head_dim if full else p.head_dim
     kv = p.num_global_kv_heads if (full and p.k_eq_v) else p.num_kv_heads
@@ -246,6 +337,8 @@ def _decoder_layer(prefix: str, i: int, *, hidden: int, inter: int, p: Preset, l
         yield TensorSpec(base + "per_layer_input_gate.weight", (ple, hidden), "linear")
         yield TensorSpec(base + "per_layer_projection.weight", (hidden, ple), "linear")
         yield TensorSpec(base + "post_per_layer_input_norm.weight", (hidden,), "norm")
+    if moe:
+        yield from _moe_block(base, p)
 
 
 def _vision_tensors(p: Preset) -> Iterator[TensorSpec]:
@@ -274,7 +367,7 @@ def target_tensors(p: Preset, *, multimodal: bool, fused_qkv: bool = False) -> l
     for i, layer_type in enumerate(p.layer_types):
         specs += _decoder_layer(prefix, i, hidden=p.hidden_size, inter=p.intermediate_size, p=p,
                                 layer_type=layer_type, q_only=False, fused_qkv=fused_qkv,
-                                ple=p.per_layer_input_size)
+                                ple=p.per_layer_input_size, moe=p.moe)
     specs.append(TensorSpec(prefix + "norm.weight", (p.hidden_size,), "norm"))
     if p.per_layer_input_size:
         total = len(p.layer_types) * p.per_layer_input_size
@@ -304,8 +397,50 @@ def assistant_tensors(p: Preset) -> list[TensorSpec]:
 FP8_MAX = 448.0  # float8_e4m3fn
 
 
-def fp8_quantization_config(strategy: str = "channel", ignore: tuple[str, ...] = ()) -> dict:
-    """A compressed-tensors FP8-dynamic quantization_config like RedHatAI/gemma-4-31B-it-FP8-dynamic's."""
+def _fp8_block_scheme(block: tuple[int, int]):
+    """compressed-tensors' FP8_BLOCK preset (weights [128, 128] blocks, activations 1x128 dynamic groups) with the
+    block scaled to `block` for tiny test widths."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    return scheme.model_copy(update={
+        "weights": scheme.weights.model_copy(update={"block_structure": list(block)}),
+        "input_activations": scheme.input_activations.model_copy(update={"group_size": block[1]})})
+
+
+def fp8_block_config(*, block: tuple[int, int], ignore: tuple[str, ...]) -> dict:
+    """quantization_config exactly as compressed-tensors' ModelCompressor.update_config writes it (needs the
+    compressed-tensors package, a test dependency)."""
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig
+    config = QuantizationConfig(config_groups={"group_0": _fp8_block_scheme(block)}, ignore=list(ignore),
+                                format="float-quantized", quantization_status="compressed")
+    return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "sparsity_config": {},
+            "transform_config": {}, **config.model_dump(exclude=["quant_method"])}
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, scale [rows / block rows, columns / block columns]) from compressed-tensors' own
+    calculate_qparams + quantize, one absmax per block."""
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    args = _fp8_block_scheme(block).weights
+    rows, columns = weight.shape
+    if rows % block[0] or columns % block[1]:
+        raise ValueError(f"synthetic fp8 block {list(block)} must tile the weight shape {[rows, columns]}")
+    amax = weight.reshape(rows // block[0], block[0], columns // block[1], block[1]).abs().amax(dim=(1, 3))
+    scale, zero_point = calculate_qparams(-amax, amax, args)
+    return quantize(weight, scale, zero_point, args, dtype=torch.float8_e4m3fn), scale
+
+
+DEFAULT_IGNORE = ("lm_head", "re:.*vision_tower.*", "re:.*embed_vision.*")
+
+
+def fp8_quantization_config(strategy: str = "channel", ignore: tuple[str, ...] = (),
+                            block: tuple[int, int] = (128, 128)) -> dict:
+    """A compressed-tensors FP8 quantization_config: "channel"/"tensor" like RedHatAI/gemma-4-31B-it-FP8-dynamic's,
+    "block" like RedHatAI/gemma-4-31B-it-FP8-block's, written by compressed-tensors itself (fp8_block_config)."""
+    if strategy == "block":
+        return fp8_block_config(block=block, ignore=(*DEFAULT_IGNORE, *ignore))
     return {
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {
@@ -315,7 +450,7 @@ def fp8_quantization_config(strategy: str = "channel", ignore: tuple[str, ...] =
             "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "symmetric": True,
                                   "dynamic": True},
             "output_activations": None}},
-        "ignore": ["lm_head", "re:.*vision_tower.*", "re:.*embed_vision.*", *ignore],
+        "ignore": [*DEFAULT_IGNORE, *ignore],
         "kv_cache_scheme": None,
     }
 
@@ -327,6 +462,41 @@ def quantize_fp8(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, tor
     scale = (amax / FP8_MAX).clamp(min=1e-12).to(torch.bfloat16)
     quantized = (values / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return quantized, scale
+
+
+NVFP4_GROUP = 16
+MODELOPT_EXCLUDE = ("lm_head", "*self_attn*", "*vision_tower*", "*embed_vision*")
+
+
+def modelopt_nvfp4_config(exclude: tuple[str, ...] = MODELOPT_EXCLUDE) -> dict:
+    """config.json quantization_config of a Model Optimizer NVFP4 export (W4A4, group 16) in the form vLLM 0.27's
+    ModelOptQuantConfigBase.from_config reads (quant_method/quant_algo/group_size/ignore); the default excludes
+    every self_attn module, like nvidia/Gemma-4-31B-IT-NVFP4. KV-cache quantization is not modelled (no k/v
+    scale tensors are written), so none is declared."""
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": NVFP4_GROUP, "kv_cache_scheme": None,
+            "ignore": list(exclude), "producer": {"name": "modelopt", "version": "synthetic"}}
+
+
+def hf_quant_config(config: dict) -> dict:
+    """hf_quant_config.json beside config.json, the file Model Optimizer writes (same facts, its own keys)."""
+    return {"producer": config["producer"],
+            "quantization": {"quant_algo": config["quant_algo"], "kv_cache_quant_algo": None,
+                             "group_size": config["group_size"], "exclude_modules": config["ignore"]}}
+
+
+def quantize_nvfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """NVFP4 as Model Optimizer stores it: packed e2m1 pairs `weight` uint8 [out, in/2], fp8 `weight_scale`
+    [out, in/16] per group, fp32 `weight_scale_2` (global, scalar) and `input_scale` (scalar); values packed by
+    compressed-tensors' quantize_and_pack_fp4 (the same e2m1 packing vLLM's NVFP4 kernels read)."""
+    from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4
+    rows, columns = weight.shape
+    values = weight.float()
+    global_scale = 448.0 * 6.0 / values.abs().amax().clamp(min=1e-12)
+    group_amax = values.reshape(rows, columns // NVFP4_GROUP, NVFP4_GROUP).abs().amax(-1)
+    scale = (group_amax / 6.0 * global_scale).to(torch.float8_e4m3fn)
+    packed = quantize_and_pack_fp4(values, scale.float(), global_scale=global_scale, group_size=NVFP4_GROUP)
+    return {"": packed, "_scale": scale, "_scale_2": (1.0 / global_scale).reshape(()).float(),
+            "input_scale": torch.tensor(1.0, dtype=torch.float32)}
 
 
 def _quantized_module(spec: TensorSpec, quantization: dict | None) -> str | None:
@@ -375,12 +545,19 @@ def _split_into_shards(specs: list[TensorSpec], num_shards: int, itemsize: int) 
 def _materialize_all(group: list[TensorSpec], dtype: torch.dtype, generator: torch.Generator,
                      quantization: dict | None) -> dict[str, torch.Tensor]:
     tensors = {}
-    strategy = None
-    if quantization:
-        strategy = quantization["config_groups"]["group_0"]["weights"]["strategy"]
+    strategy = block = None
+    if quantization and "config_groups" in quantization:
+        weights = quantization["config_groups"]["group_0"]["weights"]
+        strategy, block = weights["strategy"], weights.get("block_structure")
     for spec in group:
         values = _materialize(spec, dtype, generator)
-        if _quantized_module(spec, quantization):
+        if _quantized_module(spec, quantization) and quantization.get("quant_method") == "modelopt":
+            for suffix, tensor in quantize_nvfp4(values).items():
+                # `weight`, `weight_scale`, `weight_scale_2`; the activation scale sits beside the weight
+                tensors[spec.name[:-len("weight")] + suffix if suffix == "input_scale" else spec.name + suffix] = tensor
+        elif _quantized_module(spec, quantization) and strategy == "block":
+            tensors[spec.name], tensors[spec.name + "_scale"] = quantize_fp8_block(values, tuple(block))
+        elif _quantized_module(spec, quantization):
             tensors[spec.name], tensors[spec.name + "_scale"] = quantize_fp8(values, strategy)
         else:
             tensors[spec.name] = values
@@ -407,41 +584,26 @@ def write_tensors(out_dir: Path, specs: list[TensorSpec], *, num_shards: int = 1
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_checkpoint(out_dir: str | Path, *, preset: Preset | str, role: str, dialect: str = "legacy",
-                     fused_qkv: bool = False, num_shards: int = 1, multimodal: bool = True,
-                     dtype: torch.dtype = torch.bfloat16, seed: int = 0, quantization: dict | None = None) -> Path:
-    """Writes one synthetic target or assistant checkpoint directory.
-
-    Args:
-        out_dir: directory to create (must not exist or be empty).
-        preset: a Preset or the name of a full-size one in PRESETS.
-        role: "target" or "assistant".
-        dialect: "legacy" (flat keys), "per_layer_config" (transformers >= 5.15) or "both".
-        fused_qkv: target only: write self_attn.qkv_proj instead of q/k/v.
-        num_shards: 1 writes model.safetensors; more writes numbered shards and an index.
-        multimodal: target only: gemma4 wrapper (model.language_model.*, vision tower) vs gemma4_text.
-        dtype: weight dtype.
-        seed: RNG seed (the assistant uses seed + 1 by convention of write_pair).
-        quantization: target only: a compressed-tensors fp8 config (fp8_quantization_config); decoder-layer
-            projections not in its ignore list are written as float8_e4m3fn + weight_scale.
-
-    Returns:
-        The checkpoint directory.
-    """
-    p = PRESETS[preset] if isinstance(preset, str) else preset
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def _hub_parts(p: Preset, role: str, *, multimodal: bool, fused_qkv: bool,
+               quantization: dict | None) -> tuple[dict, list[TensorSpec]]:
+    """(published config.json, tensor specs) of one role."""
     if role == "target":
-        config = target_config(p, dialect=dialect, multimodal=multimodal)
-        specs = target_tensors(p, multimodal=multimodal, fused_qkv=fused_qkv)
-        if quantization:
-            config["quantization_config"] = quantization
-    elif role == "assistant":
-        config, specs = assistant_config(p, dialect=dialect), assistant_tensors(p)
-    else:
+        return _hub_target_config(p, multimodal=multimodal), target_tensors(p, multimodal=multimodal,
+                                                                              fused_qkv=fused_qkv)
+    if role != "assistant":
         raise ValueError(f"role must be 'target' or 'assistant', got {role!r}")
-    if quantization and role != "target":
+    if quantization:
         raise ValueError("synthetic quantization is for targets only")
+    return _hub_assistant_config(p), assistant_tensors(p)
+
+
+def _write_directory(out: Path, config: dict, specs: list[TensorSpec], *, num_shards: int, dtype: torch.dtype,
+                     seed: int, quantization: dict | None) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    if quantization:
+        config = {**config, "quantization_config": quantization}
+    if quantization and quantization.get("quant_method") == "modelopt":
+        (out / "hf_quant_config.json").write_text(json.dumps(hf_quant_config(quantization), indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, text in SIDE_FILES.items():
         (out / name).write_text(text)
@@ -449,14 +611,51 @@ def write_checkpoint(out_dir: str | Path, *, preset: Preset | str, role: str, di
     return out
 
 
+def write_checkpoint(out_dir: str | Path, *, preset: Preset | str, role: str, dialect: str = "legacy",
+                     fused_qkv: bool = False, num_shards: int = 1, multimodal: bool = True,
+                     dtype: torch.dtype = torch.bfloat16, seed: int = 0, quantization: dict | None = None,
+                     saved_by: str | None = None) -> Path:
+    """Writes one synthetic target or assistant checkpoint directory.
+
+    Args:
+        out_dir: directory to create (must not exist or be empty).
+        preset: a Preset or the name of a full-size one in PRESETS.
+        role: "target" or "assistant".
+        dialect: "legacy" (flat keys), "per_layer_config" (transformers >= 5.15) or "both" (see in_dialect).
+        fused_qkv: target only: write self_attn.qkv_proj instead of q/k/v.
+        num_shards: 1 writes model.safetensors; more writes numbered shards and an index.
+        multimodal: target only: gemma4 wrapper (model.language_model.*, vision tower) vs gemma4_text.
+        dtype: weight dtype.
+        seed: RNG seed (the assistant uses seed + 1 by convention of write_pair).
+        quantization: target only: a compressed-tensors fp8 config (fp8_quantization_config); decoder-layer
+            projections not in its ignore list are written as float8_e4m3fn + weight_scale.
+        saved_by: python interpreter whose transformers re-saves the config (default: this process's, and only
+            for the dialects that need a re-save).
+
+    Returns:
+        The checkpoint directory.
+    """
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    config, specs = _hub_parts(p, role, multimodal=multimodal, fused_qkv=fused_qkv, quantization=quantization)
+    config = in_dialect({role: config}, dialect, saved_by=saved_by)[role]
+    return _write_directory(Path(out_dir), config, specs, num_shards=num_shards, dtype=dtype, seed=seed,
+                            quantization=quantization)
+
+
 def write_pair(out_dir: str | Path, *, preset: Preset | str, dialect: str = "legacy", fused_qkv: bool = False,
                num_shards: int = 1, multimodal: bool = True, dtype: torch.dtype = torch.bfloat16,
-               seed: int = 0, quantization: dict | None = None) -> tuple[Path, Path]:
-    """Writes out_dir/target and out_dir/assistant sharing one preset (quantization: target only); returns both."""
+               seed: int = 0, quantization: dict | None = None, saved_by: str | None = None) -> tuple[Path, Path]:
+    """Writes out_dir/target and out_dir/assistant sharing one preset (quantization: target only); returns both.
+
+    Both configs go through one re-save (one process when saved_by names another interpreter).
+    """
+    p = PRESETS[preset] if isinstance(preset, str) else preset
     out = Path(out_dir)
-    target = write_checkpoint(out / "target", preset=preset, role="target", dialect=dialect, fused_qkv=fused_qkv,
-                              num_shards=num_shards, multimodal=multimodal, dtype=dtype, seed=seed,
-                              quantization=quantization)
-    assistant = write_checkpoint(out / "assistant", preset=preset, role="assistant", dialect=dialect,
-                                 dtype=dtype, seed=seed + 1)
+    target_parts = _hub_parts(p, "target", multimodal=multimodal, fused_qkv=fused_qkv, quantization=quantization)
+    assistant_parts = _hub_parts(p, "assistant", multimodal=False, fused_qkv=False, quantization=None)
+    configs = in_dialect({"target": target_parts[0], "assistant": assistant_parts[0]}, dialect, saved_by=saved_by)
+    target = _write_directory(out / "target", configs["target"], target_parts[1], num_shards=num_shards,
+                              dtype=dtype, seed=seed, quantization=quantization)
+    assistant = _write_directory(out / "assistant", configs["assistant"], assistant_parts[1], num_shards=1,
+                                 dtype=dtype, seed=seed + 1, quantization=None)
     return target, assistant

@@ -108,11 +108,23 @@ def replicate_kv_heads(weight: torch.Tensor, *, num_heads: int, head_dim: int, r
     return heads.repeat_interleave(repeats, dim=0).reshape(num_heads * repeats * head_dim, *rest).view(weight.dtype)
 
 
+def repeat_columns(weight: torch.Tensor, *, repeats: int) -> torch.Tensor:
+    """[rows, n] -> [rows, n * repeats], column c repeated at c*repeats .. c*repeats + repeats - 1.
+
+    An fp8 `block` o_proj scale: after pad_head_columns spreads input column j to j*r, output column block b holds
+    source columns of block b // r only (zeros elsewhere, exact under any scale).
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"repeat_columns: expected a 2-D tensor, got shape {tuple(weight.shape)}")
+    return _as_int(weight).repeat_interleave(repeats, dim=1).view(weight.dtype)
+
+
 TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
     "pad_head_rows": pad_head_rows,
     "pad_head_norm": pad_head_norm,
     "pad_head_columns": pad_head_columns,
     "replicate_kv_heads": replicate_kv_heads,
+    "repeat_columns": repeat_columns,
 }
 
 

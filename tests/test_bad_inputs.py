@@ -21,11 +21,16 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from _helpers_robustness import (TARGET_SHARDS, Pair, copy_pair, error_lines, hash_tree, leftovers, pack_safetensors,
-                                 pristine_pair, run_cli, run_console_script, split_safetensors, tensors_by_offset)
+                                 pristine_pair, run_cli, run_console_script, small_preset, split_safetensors,
+                                 tensors_by_offset)
 from converter.io.checkpoint import INDEX_NAME
 from converter.pipeline import ConvertRequest, execute, plan_conversion
+from converter.synthetic import (fp8_quantization_config, modelopt_nvfp4_config, scaled_preset, tiny_preset,
+                                 write_checkpoint)
 
 EXIT_VERIFY, EXIT_USAGE, EXIT_INPUT, EXIT_OUTPUT = 1, 2, 3, 4
 SHARD1, SHARD2 = TARGET_SHARDS
@@ -195,6 +200,38 @@ def _quantized(p: Pair) -> list[str]:
     return _single(p, "pad-global")
 
 
+def _replace_target(p: Pair, preset, **options) -> None:
+    """A different target in place of the pristine one (same pair layout: target/, assistant/, 2 shards)."""
+    shutil.rmtree(p.target)
+    write_checkpoint(p.target, preset=preset, role="target", num_shards=2, **options)
+
+
+def _moe_expert_wrong_width(p: Pair) -> list[str]:
+    """26B-A4B with its fused experts, but the config's expert width no longer matches gate_up_proj/down_proj."""
+    _replace_target(p, scaled_preset("26b-a4b", width_divisor=64, num_layers=6, vocab_size=64), multimodal=False)
+    _set_text_key(p, "moe_intermediate_size", 12)
+    return _single(p)
+
+
+def _fp8_block_scale_missing(p: Pair) -> list[str]:
+    _replace_target(p, small_preset(), quantization=fp8_quantization_config("block", block=(2, 2)))
+    shard = next(f for f in sorted(p.target.glob("*.safetensors"))
+                 if any(n.endswith("self_attn.q_proj.weight_scale") for n in split_safetensors(f)[0]))
+    with safe_open(str(shard), "pt") as handle:
+        kept = {n: handle.get_tensor(n) for n in handle.keys() if not n.endswith("0.self_attn.q_proj.weight_scale")}
+    save_file(kept, str(shard), metadata={"format": "pt"})
+    index = json.loads((p.target / INDEX_NAME).read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in kept or v != shard.name}
+    (p.target / INDEX_NAME).write_text(json.dumps(index))
+    return _single(p, "pad-global")
+
+
+def _modelopt_quantized_attention(p: Pair) -> list[str]:
+    """NVFP4 with the attention projections NOT excluded (nvidia's exports exclude every self_attn module)."""
+    _replace_target(p, tiny_preset("31b"), quantization=modelopt_nvfp4_config(exclude=("lm_head", "*vision_tower*")))
+    return _single(p, "pad-global")
+
+
 def _empty_dir(p: Pair) -> list[str]:
     empty = p.root / "src" / "empty"
     empty.mkdir()
@@ -252,6 +289,13 @@ CASES = [
     Case("per-layer-config-overrides-sliding", EXIT_INPUT, ("target/config.json", "overrides sliding layers"),
          _sliding_override),
     Case("quantized-pad-global", EXIT_INPUT, ("target", "quantized"), _quantized),
+    Case("moe-expert-wrong-shape", EXIT_INPUT, ("target", "experts.down_proj has shape [4, 44, 11]", "moe_intermediate_size 12",
+                                                "disagree"), _moe_expert_wrong_width),
+    Case("fp8-block-scale-missing", EXIT_INPUT, ("layers.0.self_attn.q_proj.weight_scale is missing",
+                                                 "float8 block 2x2"), _fp8_block_scale_missing),
+    Case("modelopt-quantized-attention", EXIT_INPUT, ("layers.0.self_attn.q_proj is quantized as modelopt NVFP4 "
+                                                      "group 16", "every self_attn module is excluded"),
+         _modelopt_quantized_attention),
     # safetensors headers
     Case("truncated-mid-tensor", EXIT_INPUT, (SHARD1, "truncated"), _truncate_mid_tensor),
     Case("header-length-beyond-file", EXIT_INPUT, (SHARD1, "header length", "exceeds the file size"),

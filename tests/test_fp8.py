@@ -1,4 +1,9 @@
-"""Compressed-tensors FP8 targets: exact under both layouts, verified; other schemes refused in one line."""
+"""Compressed-tensors FP8 targets: exact under both layouts, verified; other schemes refused in one line.
+
+Block-quantized weights (strategy "block", RedHatAI/gemma-4-31B-it-FP8-block) come from compressed-tensors itself
+(config, scales and fp8 values) and are dequantized here with its own `dequantize`; the tiny preset (head_dim 16)
+uses 8x8 blocks, which sit on the head dims the way 128x128 blocks sit on head_dim 256.
+"""
 
 import json
 
@@ -13,17 +18,28 @@ IGNORED = r"re:.*layers\.1\.self_attn\.o_proj"
 PREFIX = "model.language_model.layers."
 
 
-@pytest.fixture(scope="module", params=["channel", "tensor"])
+BLOCK = (8, 8)
+SCHEMES = {"channel": "float8 channel (float-quantized)", "tensor": "float8 tensor (float-quantized)",
+           "block": "float8 block 8x8 (float-quantized)"}
+
+
+@pytest.fixture(scope="module", params=["channel", "tensor", "block"])
 def fp8_pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"fp8-{request.param}")
     write_pair(root / "src", preset=tiny_preset("31b"), num_shards=2,
-               quantization=fp8_quantization_config(request.param, ignore=(IGNORED,)))
+               quantization=fp8_quantization_config(request.param, ignore=(IGNORED,), block=BLOCK))
     return root / "src", request.param
 
 
 def _dequantized(tensors, module):
     weight, scale = tensors[module + ".weight"], tensors.get(module + ".weight_scale")
-    return weight.float() * scale.float() if scale is not None else weight.float()
+    if scale is None:
+        return weight.float()
+    if scale.dim() == 2 and scale.shape[1] > 1:  # block scales: compressed-tensors' own dequantize
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+        from converter.synthetic import _fp8_block_scheme
+        return dequantize(weight, scale, None, _fp8_block_scheme(BLOCK).weights, dtype=torch.float32)
+    return weight.float() * scale.float()
 
 
 def test_pad_global_moves_fp8_rows_with_their_scales(fp8_pair, tmp_path, run_cli):
@@ -45,8 +61,9 @@ def test_pad_global_moves_fp8_rows_with_their_scales(fp8_pair, tmp_path, run_cli
         o_proj = f"{PREFIX}{layer}.self_attn.o_proj"
         want = pad_head_columns(_dequantized(source, o_proj), num_heads=32, head_dim=16, target_head_dim=32)
         assert torch.equal(_dequantized(output, o_proj), want)
-        assert torch.equal(output.get(o_proj + ".weight_scale", torch.empty(0)),
-                           source.get(o_proj + ".weight_scale", torch.empty(0)))
+        if strategy != "block":  # per-row / per-tensor scales do not change; block scale columns spread x2
+            assert torch.equal(output.get(o_proj + ".weight_scale", torch.empty(0)),
+                               source.get(o_proj + ".weight_scale", torch.empty(0)))
     assert output[f"{PREFIX}1.self_attn.o_proj.weight"].dtype == torch.bfloat16  # ignored: stays bf16, padded
     k_proj = f"{PREFIX}5.self_attn.k_proj"  # full k_eq_v: heads replicated together with their scales
     want = replicate_kv_heads(_dequantized(source, k_proj), num_heads=4, head_dim=32, repeats=4)
@@ -81,9 +98,9 @@ def test_inspect_reports_the_scheme_per_layer(fp8_pair, run_cli):
     src, strategy = fp8_pair
     report = json.loads(run_cli("inspect", "--json", src / "target").out)
     assert report["quantization"]["method"] == "compressed-tensors"
-    assert report["quantization"]["attention_schemes"] == [f"float8 {strategy} (float-quantized)"]
+    assert report["quantization"]["attention_schemes"] == [SCHEMES[strategy]]
     assert report["layers"][1]["quantization"]["o_proj"] == "unquantized (ignored)"
-    assert report["layers"][0]["quantization"]["q_proj"] == f"float8 {strategy} (float-quantized)"
+    assert report["layers"][0]["quantization"]["q_proj"] == SCHEMES[strategy]
     assert "v_proj" not in report["layers"][5]["quantization"]  # k_eq_v layer
 
 
@@ -103,6 +120,8 @@ GROUPED_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized"
 INT4_GROUP = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                   "type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}}}}
+BLOCK_TOO_TALL = fp8_quantization_config("block", block=(16, 16))  # 16 rows > head_dim / 2 = 8
+BLOCK_ODD_COLUMNS = fp8_quantization_config("block", block=(8, 7))
 NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
              "type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16}}}}
@@ -112,6 +131,10 @@ NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
     (GROUPED_FP8, "float8 group 128 (float-quantized); its scale groups would straddle original and padding"),
     (INT4_GROUP, "int4 group 128 (pack-quantized); pad-global moves only fp8 weights"),
     (NVFP4, "float4 tensor_group 16 (nvfp4-pack-quantized)"),
+    (BLOCK_TOO_TALL, "float8 block 16x16 (float-quantized); its 16-row scale blocks would mix rows of different "
+                     "half-heads (they must divide head_dim/2 = 8)"),
+    (BLOCK_ODD_COLUMNS, "self_attn.o_proj is quantized as float8 block 8x7 (float-quantized); its 7-column scale "
+                        "blocks cannot follow columns spread x2"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quantized as gptq"),
 ])
 def test_unsupported_schemes_are_refused_in_one_line(fp8_pair, tmp_path, run_cli, config, words):
@@ -134,3 +157,24 @@ def test_malformed_quantization_config_is_bad_input(fp8_pair, tmp_path, run_cli,
     for args in (("inspect", target), ("convert", target, "--out", tmp_path / "out", "--layout", "pad-global")):
         result = run_cli(*args)
         assert result.code == 3 and words in result.err and len(result.err.strip().splitlines()) == 1
+
+
+def test_fp8_block_config_is_compressed_tensors_fp8_block_preset():
+    """At the published block size the factory's config is the FP8_BLOCK preset compressed-tensors ships."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    config = fp8_quantization_config("block")
+    parsed = QuantizationConfig.model_validate({k: v for k, v in config.items()
+                                                if k not in ("version", "sparsity_config", "transform_config")})
+    assert parsed.config_groups["group_0"] == preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert (weights["strategy"], weights["block_structure"]) == ("block", [128, 128])
+
+
+def test_fp8_block_scales_are_one_per_block(tmp_path):
+    from converter.synthetic import write_checkpoint
+    target = write_checkpoint(tmp_path / "t", preset=tiny_preset("31b"), role="target",
+                              quantization=fp8_quantization_config("block", block=BLOCK))
+    tensors = load_tensors(target)
+    q = f"{PREFIX}0.self_attn.q_proj"
+    assert tensors[q + ".weight"].dtype == torch.float8_e4m3fn
+    assert tuple(tensors[q + ".weight_scale"].shape) == (32 * 16 // 8, 336 // 8)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from converter.synthetic import PRESETS, assistant_tensors, target_tensors, tiny_preset, write_checkpoint
+from converter.synthetic import PRESETS, assistant_tensors, target_config, target_tensors, tiny_preset, write_checkpoint
 from converter.gemma4 import read_spec
 
 
@@ -24,7 +24,7 @@ def _text_config(config_dict):
     return Gemma4TextConfig(**{k: v for k, v in config_dict.items() if k not in ("model_type", "dtype")})
 
 
-@pytest.mark.parametrize("preset", ["31b", "e2b", "e4b"])
+@pytest.mark.parametrize("preset", ["31b", "26b-a4b", "e2b", "e4b"])
 def test_text_target_names_and_shapes_match_transformers(tmp_path, preset):
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
     p = tiny_preset(preset)
@@ -41,10 +41,11 @@ def test_text_target_names_and_shapes_match_transformers(tmp_path, preset):
     assert {k: v for k, v in ours.items() if k not in ignored} == expected
 
 
-def test_multimodal_target_names_and_shapes_match_transformers(tmp_path):
+@pytest.mark.parametrize("preset", ["31b", "26b-a4b"])
+def test_multimodal_target_names_and_shapes_match_transformers(tmp_path, preset):
     from transformers import Gemma4Config
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForConditionalGeneration
-    p = tiny_preset("31b")
+    p = tiny_preset(preset)
     config = json.loads((write_checkpoint(tmp_path / "t", preset=p, role="target") / "config.json").read_text())
     hf_config = Gemma4Config(text_config=_text_config(config["text_config"]),
                              vision_config={k: v for k, v in config["vision_config"].items() if k != "dtype"},
@@ -54,7 +55,7 @@ def test_multimodal_target_names_and_shapes_match_transformers(tmp_path):
     assert ours == expected
 
 
-@pytest.mark.parametrize("preset", ["31b", "e2b"])
+@pytest.mark.parametrize("preset", ["31b", "26b-a4b", "e2b"])
 def test_assistant_names_and_shapes_match_transformers(tmp_path, preset, all_shared_kv_modes):
     from transformers.models.gemma4_assistant.configuration_gemma4_assistant import Gemma4AssistantConfig
     from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
@@ -66,6 +67,22 @@ def test_assistant_names_and_shapes_match_transformers(tmp_path, preset, all_sha
     expected = _meta_state_dict(Gemma4AssistantForCausalLM, hf_config)
     ours = {s.name: s.shape for s in assistant_tensors(p)}
     assert ours == expected
+
+
+def test_moe_block_has_every_tensor_of_transformers_moe_modules():
+    """26B-A4B at full size on the meta device: router, fused experts [E, 2I, H] / [E, H, I], the extra norms."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
+    p = PRESETS["26b-a4b"]
+    config = Gemma4TextConfig(**{k: v for k, v in target_config(p, dialect="legacy", multimodal=False).items()
+                                 if k not in ("model_type", "dtype", "architectures", "transformers_version")})
+    with torch.device("meta"):
+        layer = Gemma4TextDecoderLayer(config, layer_idx=0)
+    expected = {f"model.layers.0.{k}": tuple(v.shape) for k, v in layer.state_dict().items()}
+    ours = {s.name: s.shape for s in target_tensors(p, multimodal=False) if s.name.startswith("model.layers.0.")}
+    assert ours == expected
+    assert ours["model.layers.0.experts.gate_up_proj"] == (128, 2 * 704, 2816)
+    assert ours["model.layers.0.experts.down_proj"] == (128, 2816, 704)
 
 
 def test_full_size_31b_assistant_matches_the_published_checkpoint():

@@ -57,10 +57,16 @@ def render(report: dict[str, Any]) -> None:
     dtypes = ", ".join(f"{k} x{v}" for k, v in report["dtypes"].items())
     click.echo(f"  {len(report['shards'])} shard(s), {report['tensor_count']} tensors ({dtypes}), "
                f"{human_bytes(report['total_bytes'])}")
+    if report["moe"]:
+        m = report["moe"]
+        click.echo(f"  experts: {m['num_experts']} per layer (top {m['top_k_experts']}, width "
+                   f"{m['moe_intermediate_size']}), {m['storage']} in {m['layers_with_experts']} layers; "
+                   "copied raw by every layout")
     if report["quantization"]:
         q = report["quantization"]
         click.echo(f"  quantization: {q['method']} {q['format'] or ''}; attention schemes "
-                   f"{', '.join(q['attention_schemes']) or 'none'}; ignored: {', '.join(q['ignore']) or 'nothing'}")
+                   f"{', '.join(q['attention_schemes']) or 'none'}; mlp schemes {', '.join(q['mlp_schemes']) or 'none'}"
+                   f"; ignored: {', '.join(q['ignore']) or 'nothing'}")
     if report["conversion"]:
         c = report["conversion"]
         click.echo(f"  converted by gemma4-convert {c['tool_version']}: layout {c['layout']}"

@@ -17,6 +17,7 @@ MANIFEST_NAME = "conversion.json"
 VERIFICATION_NAME = "verification.json"
 # Files a conversion regenerates or must not carry over (weights in other formats would be stale copies).
 NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+HF_QUANT_CONFIG_NAME = "hf_quant_config.json"  # Model Optimizer's quantization description (copied as is)
 NOT_COPIED_NAMES = {"config.json", INDEX_NAME, MANIFEST_NAME, VERIFICATION_NAME}
 
 
@@ -75,7 +76,9 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     config = read_json(config_path)
     if not isinstance(config, dict):
         raise InputError(f"{config_path}: expected a JSON object")
-    spec = read_spec(config, source=str(config_path))
+    hf_quant_path = root / HF_QUANT_CONFIG_NAME
+    hf_quant = read_json(hf_quant_path) if _present(hf_quant_path) else None
+    spec = read_spec(config, source=str(config_path), hf_quant_config=hf_quant)
     shard_names, indexed = _shard_names(root)
     shards = tuple(read_header(root / name) for name in shard_names)
     _check_index(root, shards, indexed)

@@ -8,10 +8,11 @@ from typing import Any, Callable, ClassVar, Iterator
 
 from ..errors import InputError, UnsupportedLayoutError
 from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, attention_tensor_name,
-                      parse_attention_name)
+                      parse_attention_name, parse_moe_name)
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors_header import TensorRef
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
+from ..quantization import MODELOPT, weight_scheme
 
 _REGISTRY: dict[str, type["Layout"]] = {}
 
@@ -74,6 +75,7 @@ class Layout:
     def plan(self, checkpoint: Checkpoint, *, max_shard_bytes: int | None = None) -> CheckpointPlan:
         """The complete plan for one checkpoint: every tensor, the shards, the new config."""
         spec = checkpoint.spec
+        check_quantized_attention(spec, source=str(checkpoint.path))
         warnings = self.check(spec, source=str(checkpoint.path))
         tensors = list(self._plan_tensors(checkpoint))
         shards, indexed = plan_shards(tensors, source_files=[s.file.name for s in checkpoint.shards],
@@ -91,12 +93,15 @@ class Layout:
         text = new[spec.text_config_key] if spec.text_config_key else new
         text.pop("per_layer_config", None)
         text.update(self.geometry_keys(spec.attention))
+        write_vision_rope_portably(new)
         return new
 
     def _plan_tensors(self, checkpoint: Checkpoint) -> Iterator[TensorPlan]:
         spec = checkpoint.spec
         attention = list(find_attention_tensors(checkpoint))
         check_attention_tensors(attention, spec, source=str(checkpoint.path))
+        check_attention_scales(attention, spec, source=str(checkpoint.path))
+        check_moe_tensors(checkpoint)
         claimed = {t.source.ref.name for t in attention}
         for ref in checkpoint.tensors.values():
             if ref.name not in claimed:
@@ -105,6 +110,16 @@ class Layout:
         for tensor in attention:
             out_name = attention_tensor_name(spec.weight_prefix, tensor.layer.index, tensor.module, tensor.param)
             yield self.plan_attention(tensor, spec, out_name)
+
+
+def write_vision_rope_portably(config: dict[str, Any]) -> None:
+    """Vision rope "axial" -> "default", in place: transformers >= 5.15 writes "axial" on save_pretrained, which
+    5.14.1 cannot build (KeyError: 'axial'); >= 5.15 maps "default" back to "axial" on load
+    (modeling_rope_utils.py standardize_rope_params, Gemma4VisionConfig.default_rope_type), so both read it."""
+    vision = config.get("vision_config")
+    rope = vision.get("rope_parameters") if isinstance(vision, dict) else None
+    if isinstance(rope, dict) and rope.get("rope_type") == "axial":
+        rope["rope_type"] = "default"
 
 
 def kept(tensor: AttentionTensor, out_name: str) -> TensorPlan:
@@ -215,6 +230,71 @@ def attention_problems(tensors: list[AttentionTensor], spec: ModelSpec, *, sourc
                 f"{source}: layer {layer.index} has a v_proj tensor but the config says attention_k_eq_v (V is the "
                 "K projection)", layer=layer, tensor=extra))
     return problems
+
+
+def check_attention_scales(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> None:
+    """Raises InputError when a compressed-tensors fp8 attention weight has no `weight_scale`, or a block scale's
+    shape is not one value per [rows, columns] block (layouts move scales together with their weights)."""
+    scales = {(t.layer.index, t.module): t for t in tensors if t.param == "weight_scale"}
+    for tensor in tensors:
+        name = f"{spec.weight_prefix}layers.{tensor.layer.index}.self_attn.{tensor.module}"
+        scheme = weight_scheme(spec.quantization, name) if tensor.param == "weight" else None
+        if scheme is None or not scheme.is_fp8 or not tensor.source.ref.dtype.startswith("F8"):
+            continue
+        scale = scales.get((tensor.layer.index, tensor.module))
+        if scale is None:
+            raise InputError(f"{source}: {tensor.source.ref.name} is {scheme.describe()} but {name}.weight_scale is "
+                             "missing; the checkpoint cannot be dequantized")
+        if scheme.block_structure:
+            rows, columns = tensor.source.shape
+            want = (-(-rows // scheme.block_structure[0]), -(-columns // scheme.block_structure[1]))
+            if tuple(scale.source.shape) != want:
+                raise InputError(f"{source}: {scale.source.ref.name} has shape {list(scale.source.shape)} but "
+                                 f"{scheme.describe()} scales of a {[rows, columns]} weight are {list(want)}")
+
+
+def check_quantized_attention(spec: ModelSpec, *, source: str) -> None:
+    """Model Optimizer checkpoints convert only with every attention projection excluded from quantization (as
+    nvidia/Gemma-4-31B-IT-NVFP4 ships them): packed fp4 attention weights can be neither checked against the
+    config's geometry nor moved exactly. Raises InputError naming the first quantized one."""
+    if not spec.quantization or spec.quantization.get("quant_method") != MODELOPT:
+        return
+    for layer in spec.attention.layers:
+        for module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            name = f"{spec.weight_prefix}layers.{layer.index}.self_attn.{module}"
+            scheme = weight_scheme(spec.quantization, name)
+            if scheme is not None:
+                raise InputError(f"{source}: {name} is quantized as {scheme.describe()}; Model Optimizer checkpoints "
+                                 "convert only when every self_attn module is excluded from quantization (like "
+                                 "nvidia/Gemma-4-31B-IT-NVFP4): packed fp4 attention weights cannot be checked or "
+                                 "padded exactly")
+
+
+def check_moe_tensors(checkpoint: Checkpoint) -> None:
+    """Raises InputError when a fused router/experts tensor contradicts the config's MoE sizes, or an MoE layer has
+    no experts at all. Per-expert tensors (`experts.<id>.*`, how quantized checkpoints store them) are copied as
+    they are; vLLM 0.27 maps both forms (models/gemma4.py load_weights)."""
+    spec, source = checkpoint.spec, str(checkpoint.path)
+    if spec.moe is None:
+        return
+    want = spec.moe.fused_shapes()
+    with_experts: set[int] = set()
+    for ref in checkpoint.tensors.values():
+        parsed = parse_moe_name(ref.name, spec.weight_prefix)
+        if parsed is None:
+            continue
+        layer, suffix = parsed
+        if suffix.startswith("experts."):
+            with_experts.add(layer)
+        if suffix in want and tuple(ref.shape) != want[suffix]:
+            m = spec.moe
+            raise InputError(f"{source}: {ref.name} has shape {list(ref.shape)} but the config's MoE block "
+                             f"({m.num_experts} experts, moe_intermediate_size {m.intermediate_size}, hidden "
+                             f"{m.hidden_size}) implies {list(want[suffix])}; config and weights disagree")
+    missing = [i for i in range(len(spec.attention.layer_types)) if i not in with_experts]
+    if missing:
+        raise InputError(f"{source}: enable_moe_block is true but layer {missing[0]} has no experts tensors "
+                         f"({spec.weight_prefix}layers.{missing[0]}.experts.gate_up_proj / .down_proj)")
 
 
 def explicit_geometry(attention: AttentionConfig, **overrides: Any) -> dict[str, Any]:

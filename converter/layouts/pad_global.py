@@ -6,6 +6,9 @@ transformers version has a per-layer attribute to reject, and vLLM 0.27 builds e
 
 Quantized (compressed-tensors fp8) weights move with their per-row scales, so dequantized values are
 exactly the originals; o_proj's zero columns are exact under any per-row scale; per-tensor scales stay.
+fp8 `block` scales move too where every output block's rows (columns) come from one source block
+(FACTS.md section 9: block 128 with head_dim 256): each scale row is repeated like the head rows it covers,
+each o_proj scale column r times (zeros are exact under any scale). Other block shapes are refused by name.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ class PadGlobalLayout(Layout):
         columns = module == "o_proj"
         if scheme is None or scheme.moves_exactly(columns=columns):
             return
-        if scheme.is_fp8 and scheme.strategy in ("group", "block", "tensor_group"):
+        if scheme.is_fp8 and scheme.strategy == "block" and scheme.block_structure:
+            why = _block_problem(scheme.block_structure, module, layer, spec.attention)
+            if why is None:
+                return
+        elif scheme.is_fp8 and scheme.strategy in ("group", "block", "tensor_group"):
             why = "its scale groups would straddle original and padding " + ("columns" if columns else "rows")
         else:
             why = "pad-global moves only fp8 weights with per-channel or per-tensor scales exactly"
@@ -58,6 +65,9 @@ class PadGlobalLayout(Layout):
         target = a.global_head_dim
         rows = {"q_proj": a.num_heads * layer.head_dim}.get(tensor.module, layer.num_kv_heads * layer.head_dim)
         per_row = bool(shape) and shape[0] == rows  # weight, bias, per-channel scale; not a per-tensor scale
+        block = _scale_block(tensor, spec)
+        if block is not None:
+            return self._plan_block_scale(tensor, spec, out_name, block)
         if layer.head_dim != target:
             ratio = target // layer.head_dim
             if tensor.module in ("q_proj", "k_proj", "v_proj") and per_row:
@@ -79,6 +89,29 @@ class PadGlobalLayout(Layout):
                                head_dim=layer.head_dim, repeats=repeats)
         return kept(tensor, out_name)
 
+    @staticmethod
+    def _plan_block_scale(tensor: AttentionTensor, spec: ModelSpec, out_name: str,
+                          block: tuple[int, int]) -> TensorPlan:
+        """A `block` weight_scale [rows / block rows, columns / block columns] moved like the weight's rows
+        (or o_proj's columns); check() made sure every output block reads one source block."""
+        a, layer, shape = spec.attention, tensor.layer, tensor.source.shape
+        target, rows_per_block = a.global_head_dim, block[0]
+        if layer.head_dim != target and tensor.module in ("q_proj", "k_proj", "v_proj"):
+            heads = a.num_heads if tensor.module == "q_proj" else layer.num_kv_heads
+            return transformed(tensor, out_name, action="padded", transform="pad_head_rows",
+                               shape=(shape[0] * target // layer.head_dim, *shape[1:]), num_heads=heads,
+                               head_dim=layer.head_dim // rows_per_block, target_head_dim=target // rows_per_block)
+        if layer.head_dim != target and tensor.module == "o_proj":
+            ratio = target // layer.head_dim
+            return transformed(tensor, out_name, action="padded-columns", transform="repeat_columns",
+                               shape=(shape[0], shape[1] * ratio), repeats=ratio)
+        if layer.head_dim == target and layer.num_kv_heads != a.num_kv_heads and tensor.module == "k_proj":
+            repeats = a.num_kv_heads // layer.num_kv_heads
+            return transformed(tensor, out_name, action="replicated", transform="replicate_kv_heads",
+                               shape=(shape[0] * repeats, *shape[1:]), num_heads=layer.num_kv_heads,
+                               head_dim=layer.head_dim // rows_per_block, repeats=repeats)
+        return kept(tensor, out_name)
+
     def geometry_keys(self, attention: AttentionConfig) -> dict[str, Any]:
         # num_global_key_value_heads stays written: transformers 5.14.1 fails on None (FACTS.md section 4)
         return explicit_geometry(attention, head_dim=attention.global_head_dim,
@@ -95,3 +128,34 @@ def _changed_modules(layer: LayerGeometry, attention: AttentionConfig) -> tuple[
     if layer.num_kv_heads != attention.num_kv_heads:
         return ("k_proj",)
     return ()
+
+
+def _scale_block(tensor: AttentionTensor, spec: ModelSpec) -> tuple[int, int] | None:
+    """The [rows, columns] block of a `block`-quantized projection's weight_scale; None for anything else."""
+    if tensor.param != "weight_scale" or tensor.module not in PROJECTIONS:
+        return None
+    name = f"{spec.weight_prefix}layers.{tensor.layer.index}.self_attn.{tensor.module}"
+    scheme = weight_scheme(spec.quantization, name)
+    return scheme.block_structure if scheme and scheme.strategy == "block" else None
+
+
+def _block_problem(block: tuple[int, int], module: str, layer: LayerGeometry, a: AttentionConfig) -> str | None:
+    """Why `block` scales cannot move exactly with this module's padded rows/columns; None when they can."""
+    rows, columns = block
+    d, target = layer.head_dim, a.global_head_dim
+    if a.hidden_size % (columns if module != "o_proj" else rows):
+        return f"its {rows}x{columns} scale blocks do not tile the hidden size {a.hidden_size}"
+    if d == target:  # a k_eq_v full layer: whole KV heads are replicated
+        if target % rows:
+            return f"its {rows}-row scale blocks do not tile a {target}-row head, so replicated heads would split one"
+        return None
+    ratio = target // d
+    if module == "o_proj":
+        if columns % ratio or (a.num_heads * d) % columns:
+            return (f"its {columns}-column scale blocks cannot follow columns spread x{ratio} (they must be a multiple "
+                    f"of {ratio} and tile the {a.num_heads * d} input columns)")
+        return None
+    if (d // 2) % rows:
+        return (f"its {rows}-row scale blocks would mix rows of different half-heads (they must divide head_dim/2 = "
+                f"{d // 2})")
+    return None
