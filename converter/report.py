@@ -12,7 +12,8 @@ from .cost import kv_costs
 from .errors import InputError
 from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec
 from .io.checkpoint import Checkpoint
-from .layouts import get_layout
+from .layouts import layout_names
+from .layouts.base import layout_from_manifest
 from .layouts.base import AttentionTensor, check_attention_tensors, expected_shape, find_attention_tensors
 from .quantization import weight_scheme
 
@@ -132,10 +133,10 @@ def _problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[st
 
 def _recognized_layout(checkpoint: Checkpoint) -> str | None:
     manifest = checkpoint.manifest or {}
-    layout = manifest.get("layout") if manifest.get("tool") == "gemma4-convert" else None
-    if layout and get_layout(layout).matches(checkpoint.spec):
-        return layout
-    return None
+    if manifest.get("tool") != "gemma4-convert" or manifest.get("layout") not in layout_names():
+        return None
+    layout = layout_from_manifest(manifest)
+    return layout.name if layout.matches(checkpoint.spec) else None
 
 
 def _conversion(checkpoint: Checkpoint, recognized: str | None) -> dict[str, Any] | None:

@@ -33,14 +33,17 @@ def _size(ctx, param, value):
               "(written to OUT/assistant).")
 @click.option("--out", "out", type=PATH, required=True, help="Output directory (must not exist unless --force).")
 @click.option("--layout", type=click.Choice(layout_names()), required=True,
-              help="per-layer: explicit keys, tensors unchanged (transformers<5.15). "
-                   "pad-global: homogeneous geometry, any transformers.")
+              help="per-layer: tensors and KV cache unchanged, config keys only (any transformers 5.x). "
+                   "pad-global: homogeneous geometry by exact padding (costs KV cache and weights).")
+@click.option("--flat-keys-only", is_flag=True,
+              help="per-layer only: write the bare flat keys without the dual keys (serves with transformers<5.15 "
+                   "only; the default serves with any transformers 5.x).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only after the new output is complete).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the cost; write nothing.")
 @click.option("--max-shard-size", callback=_size, default=None, metavar="SIZE",
               help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
 def command(src: LocalSource | None, target: LocalSource | None, assistant: LocalSource | None, out: Path, layout: str,
-            force: bool, dry_run: bool, max_shard_size: int | None) -> None:
+            flat_keys_only: bool, force: bool, dry_run: bool, max_shard_size: int | None) -> None:
     """Convert a target and/or assistant (or one checkpoint SRC) into OUT with the chosen layout.
 
     \b
@@ -49,7 +52,10 @@ def command(src: LocalSource | None, target: LocalSource | None, assistant: Loca
       gemma4-convert convert SRC --out DST --layout per-layer
     """
     sources = {"single": src, "target": target, "assistant": assistant}
-    request = ConvertRequest(out=out, layout=layout, target=target and target.path,
+    if flat_keys_only and layout != "per-layer":
+        raise UsageError("--flat-keys-only applies to --layout per-layer only")
+    request = ConvertRequest(out=out, layout=layout, layout_options={"keys": "flat"} if flat_keys_only else {},
+                             target=target and target.path,
                              assistant=assistant and assistant.path, single=src and src.path, force=force,
                              max_shard_bytes=max_shard_size,
                              origins={role: s.origin() for role, s in sources.items() if s and s.origin()})
@@ -65,13 +71,13 @@ def command(src: LocalSource | None, target: LocalSource | None, assistant: Loca
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
     click.echo("serve it with stock vLLM 0.27:")
-    if layout == "per-layer":
-        click.echo("  (per-layer needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
+    if flat_keys_only:
+        click.echo("  (--flat-keys-only needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
     click.echo(f"  {serve_command(plan)}")
 
 
 def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
-    layout = get_layout(plan.request.layout)
+    layout = get_layout(plan.request.layout, plan.request.layout_options)
     click.echo(f"layout {layout.name}: {layout.description}")
     for item in plan.items:
         destination = plan.output_dir(item)
