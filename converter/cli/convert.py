@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -94,9 +95,12 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
         if dry_run:
             for shard in item.plan.shards:
                 click.echo(f"    {shard.file_name}: {len(shard.tensors)} tensors, {human_bytes(shard.nbytes)}")
-    if plan.request.layout == "pad-global" and plan.item("target") is not None:
-        click.echo("  cost of pad-global for serving:")
-        for line in kv_cost_lines(plan.kv_costs()):
+    if plan.item("target") is not None:
+        padded = plan.request.layout == "pad-global"
+        costs = plan.kv_costs() if padded else tuple(replace(c, after=c.before) for c in plan.kv_costs())
+        click.echo(f"  cost of {layout.name} for serving:"
+                   + ("" if padded else " none - KV cache and weights unchanged (zero cost)"))
+        for line in kv_cost_lines(costs):
             click.echo("  " + line)
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
