@@ -177,3 +177,20 @@ def test_serving_python_that_cannot_run_is_one_line(forms, tmp_path, run_cli):
     result = run_cli("inspect", forms["legacy"], "--serving-python", broken)
     assert result.code == 2 and "is not a working python (exit 3: boom)" in result.err
     assert os.path.exists(forms["legacy"])  # nothing touched
+
+
+@pytest.mark.parametrize("form, layout, serves_where, zero_cost_note", [
+    ("legacy", "per-layer", True, False),
+    ("legacy", "pad-global", True, True),
+    ("per_layer_config", "per-layer", False, False),
+])
+def test_convert_says_when_the_source_already_serves(forms, tmp_path, run_cli, form, layout, serves_where,
+                                                     zero_cost_note):
+    source = forms[form].parent
+    result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
+                     "--out", tmp_path / "out", "--layout", layout, "--dry-run")
+    assert result.code == 0, result.err
+    assert ("already serves as it is where vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
+            in result.out) == serves_where
+    assert ("--layout per-layer serves every tested vLLM/transformers environment at zero cost" in result.out) \
+        == zero_cost_note

@@ -14,6 +14,7 @@ from ..hub import LocalSource
 from ..layouts import get_layout, layout_names
 from ..pipeline import ConversionPlan, ConvertRequest, execute, plan_conversion, serve_command
 from ..plan import parse_size
+from ..serving import recommend
 from ._common import PATH, SOURCE, kv_cost_lines
 
 
@@ -104,6 +105,25 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
             click.echo("  " + line)
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
+    for note in serving_notes(plan):
+        click.echo(f"note: {note}")
+
+
+def serving_notes(plan: ConversionPlan) -> list[str]:
+    """What the user may not need: a source that already serves as it is, or pad-global where per-layer is free."""
+    notes = []
+    for item in plan.items:
+        fused = any(t.action.startswith("split") for t in item.plan.tensors)
+        rec = recommend(item.source.spec, fused=fused, env=None, kv_ratio=None)
+        if rec["no_conversion_needed"]:
+            notes.append(f"{item.source.path} already serves as it is: {rec['why']}")
+        elif rec["no_conversion_needed_when"]:
+            notes.append(f"{item.source.path} already serves as it is where {rec['no_conversion_needed_when']} "
+                         "(`gemma4-convert inspect SRC --serving-python PYTHON` tells for your environment)")
+    if plan.request.layout == "pad-global":
+        notes.append("--layout per-layer serves every tested vLLM/transformers environment at zero cost "
+                     "(same tensors, same KV cache); pad-global is the fallback for where it cannot")
+    return notes
 
 
 __all__ = ["command", "UsageError"]
