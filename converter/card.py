@@ -17,16 +17,28 @@ import yaml
 
 from . import __version__
 from .cost import human_bytes, kv_costs
-from .errors import InputError, UnsupportedLayoutError
+from .errors import InputError, UnsupportedLayoutError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
 from .layouts import get_layout
+from .layouts.base import layout_from_manifest
 from .pipeline import DEFAULT_SPECULATIVE_TOKENS
+from .serving import TESTED_TRANSFORMERS, TESTED_VLLM
 
 BASE_MODEL_RELATION = "quantized"
 # Keys of the source card's front matter that still hold for the converted weights.
 CARRIED_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag")
+FLAT_KEYS_ONLY = "per-layer --flat-keys-only"  # LAYOUT_WHY key of per-layer written with {"keys": "flat"}
 LAYOUT_WHY = {
     "per-layer": (
+        "Zero cost: every tensor is a byte-identical copy of the source, the KV cache is unchanged. Stock vLLM 0.27 "
+        "reads only the flat `head_dim`, `global_head_dim`, `num_key_value_heads` and `num_global_key_value_heads` "
+        "keys; transformers 5.15 and later pop the global ones into a `per_layer_config` and raise "
+        "`AmbiguousGlobalPerLayerAttributeError` when vLLM reads `head_dim`. This config carries the flat keys plus "
+        "`allow_global_per_layer_attribute_access: true` and an `attribute_map` aliasing `global_head_dim` / "
+        "`num_global_key_value_heads` to `gemma4_global_head_dim` / `gemma4_num_global_key_value_heads`: vLLM reads "
+        "the right geometry under transformers 5.14 and 5.15+ (no remote code), and transformers still builds its "
+        "own per-layer config, so its Gemma 4 classes keep the right shapes."),
+    FLAT_KEYS_ONLY: (
         "Stock vLLM 0.27 reads only the flat `head_dim`, `global_head_dim`, `num_key_value_heads` and "
         "`num_global_key_value_heads` keys and knows nothing of `per_layer_config`. This checkpoint's config carries "
         "exactly those keys and no `per_layer_config`; every tensor is a byte-identical copy of the source. It needs "
@@ -72,10 +84,11 @@ def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] 
         The card text: YAML front matter, then Markdown.
     """
     layout, role = str(manifest.get("layout")), str(manifest.get("role"))
+    variant = _variant(manifest)
     sections = [
         f"# {repo_id.split('/')[-1]}\n\n{_summary(manifest, role, base_model)}",
-        f"## Layout: {layout}\n\n{_layout_text(layout)}",
-        _serve_section(role, layout, repo_id, target_repo, assistant_repo),
+        f"## Layout: {variant}\n\n{_layout_text(layout, variant)}",
+        _serve_section(role, layout, variant, repo_id, target_repo, assistant_repo),
         f"## KV-cache cost\n\n{_kv_text(manifest, role, layout)}",
         _verification_section(verification),
         _provenance_section(manifest, verification, source_card=source_card),
@@ -117,24 +130,37 @@ def _summary(manifest: Mapping[str, Any], role: str, base_model: str | None) -> 
             f"{human_bytes(manifest.get('output', {}).get('total_size', 0))} of weights.")
 
 
-def _layout_text(layout: str) -> str:
+def _variant(manifest: Mapping[str, Any]) -> str:
+    """The layout as the card names it: per-layer written with bare flat keys gets its own text."""
+    try:
+        layout = layout_from_manifest(manifest)
+    except UsageError:  # a layout (or option) this version does not know: its recorded name
+        return str(manifest.get("layout"))
+    return FLAT_KEYS_ONLY if layout.name == "per-layer" and layout.options.get("keys") == "flat" else layout.name
+
+
+def _layout_text(layout: str, variant: str) -> str:
     try:
         description = get_layout(layout).description
     except UnsupportedLayoutError:  # a layout this version does not know only loses the one-line description
         description = ""
-    why = LAYOUT_WHY.get(layout, "")
+    why = LAYOUT_WHY.get(variant, "")
     return "\n\n".join(part for part in (f"*{description}*" if description else "", why) if part)
 
 
-def _serve_section(role: str, layout: str, repo_id: str, target_repo: str | None, assistant_repo: str | None) -> str:
+def _serve_section(role: str, layout: str, variant: str, repo_id: str, target_repo: str | None,
+                   assistant_repo: str | None) -> str:
     other_role = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET
     other = assistant_repo if role == ROLE_TARGET else target_repo
     partner = (f"Its {other_role} is [{other}](https://huggingface.co/{other}), converted the same way."
                if other else f"Convert and upload its {other_role} with the same `--layout {layout}`.")
     lines = [f"## Serve with vLLM 0.27\n\nThis repo is the **{role}**. {partner}\n",
              "```bash", serve_line(target=target_repo, assistant=assistant_repo, layout=layout), "```"]
-    if layout == "per-layer":
+    if variant == FLAT_KEYS_ONLY:
         lines.append("\nRun it with `pip install 'transformers<5.15'` in vLLM's environment.")
+    elif layout == "per-layer":
+        lines.append("\nAny transformers 5.x in vLLM's environment (no `--trust-remote-code`); measured with the stock "
+                     f"loader under vLLM {', '.join(TESTED_VLLM)} and transformers {', '.join(TESTED_TRANSFORMERS)}.")
     if layout == "pad-global":
         lines.append("\n`--attention-backend TRITON_ATTN` keeps the kernel path the original heterogeneous "
                      "geometry gets (vLLM picks FA4/TRITON_ATTN only when head sizes differ).")
@@ -156,7 +182,8 @@ def _kv_text(manifest: Mapping[str, Any], role: str, layout: str) -> str:
         after = cost.after if layout == "pad-global" else cost.before
         rows.append(f"| {label} | {human_bytes(cost.before)} | {human_bytes(after)} | "
                     f"x{after / cost.before if cost.before else 1:.2f} |")
-    note = "pad-global widens the sliding layers' cache" if layout == "pad-global" else "the layout changes no geometry"
+    note = ("pad-global widens the sliding layers' cache" if layout == "pad-global" else
+            "zero cost: the layout changes no geometry, and every weight is a byte-identical copy of the source")
     return "\n".join(rows) + f"\n\n({note}.)"
 
 

@@ -31,6 +31,18 @@ DIALECT_BOTH = "both"
 GEOMETRY_KEYS = ("head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads",
                  "attention_k_eq_v", "layer_types")
 _PER_LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
+
+# The config-only zero-cost recipe ("dual keys", FACTS.md section 7; pinned per transformers version by
+# tests/test_transformers_pins.py). transformers >= 5.15's Gemma4TextConfig.__post_init__ pops the LITERAL names
+# `global_head_dim` / `num_global_key_value_heads` (it still builds its own per_layer_config from them, so its own
+# model keeps the right shapes); an `attribute_map` read from config.json becomes an instance attribute that shadows
+# the class one (empty for Gemma 4), and PreTrainedConfig.__getattribute__ resolves names through it, so vLLM's
+# `getattr(config, "global_head_dim", ...)` finds the aliases; `allow_global_per_layer_attribute_access` lets vLLM
+# read the flat (sliding) `head_dim` / `num_key_value_heads` of a heterogeneous config instead of raising.
+ALLOW_GLOBAL_ACCESS = "allow_global_per_layer_attribute_access"
+GLOBAL_ALIASES = {"global_head_dim": "gemma4_global_head_dim",
+                  "num_global_key_value_heads": "gemma4_num_global_key_value_heads"}
+DUAL_KEYS = (ALLOW_GLOBAL_ACCESS, "attribute_map", *GLOBAL_ALIASES.values())
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm")
 
 
@@ -129,6 +141,8 @@ class ModelSpec:
     backbone_hidden_size: int | None
     quantization: Mapping[str, Any] | None
     moe: MoeConfig | None = None
+    # the text config carries the complete zero-cost dual keys (DUAL_KEYS), consistent with the flat ones
+    dual_keys: bool = False
 
     @property
     def kind(self) -> str:
@@ -191,6 +205,7 @@ def read_spec(config: Mapping[str, Any], *, source: str, hf_quant_config: Any = 
         backbone_hidden_size=config.get("backbone_hidden_size"),
         quantization=quantization,
         moe=_read_moe(text, attention.hidden_size, source),
+        dual_keys=has_dual_keys(text, source=source),
     )
 
 
@@ -330,3 +345,39 @@ def parse_moe_name(name: str, prefix: str) -> tuple[int, str] | None:
     if not match or match["prefix"] != prefix:
         return None
     return int(match["layer"]), match["suffix"]
+
+
+def with_dual_keys(text: Mapping[str, Any], flat: Mapping[str, Any]) -> dict[str, Any]:
+    """`text` plus the zero-cost dual keys for the flat geometry `flat` (other attribute_map entries kept)."""
+    new = dict(text)
+    new.update(flat)
+    new[ALLOW_GLOBAL_ACCESS] = True
+    new["attribute_map"] = {**dict(text.get("attribute_map") or {}), **GLOBAL_ALIASES}
+    for name, alias in GLOBAL_ALIASES.items():
+        new[alias] = flat[name]
+    return new
+
+
+def without_dual_keys(text: Mapping[str, Any]) -> dict[str, Any]:
+    """`text` with every zero-cost key removed (an attribute_map left with nothing else goes too)."""
+    new = {key: value for key, value in text.items() if key not in DUAL_KEYS}
+    rest = {k: v for k, v in dict(text.get("attribute_map") or {}).items() if k not in GLOBAL_ALIASES}
+    if rest:
+        new["attribute_map"] = rest
+    return new
+
+
+def has_dual_keys(text: Mapping[str, Any], *, source: str) -> bool:
+    """True when `text` carries the complete dual keys; InputError when the aliases contradict the flat keys.
+
+    vLLM reads the aliases (through attribute_map, under every transformers version), transformers >= 5.15 the
+    literal keys: a mismatch would give the two different geometries.
+    """
+    mapping = text.get("attribute_map")
+    if not isinstance(mapping, Mapping) or any(mapping.get(k) != v for k, v in GLOBAL_ALIASES.items()):
+        return False
+    for name, alias in GLOBAL_ALIASES.items():
+        if alias in text and name in text and text[alias] != text[name]:
+            raise InputError(f"{source}: {alias} is {text[alias]!r} but {name} is {text[name]!r}; vLLM reads the "
+                             f"first (attribute_map), transformers >= 5.15 the second: make them equal")
+    return text.get(ALLOW_GLOBAL_ACCESS) is True and all(alias in text for alias in GLOBAL_ALIASES.values())

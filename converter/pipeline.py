@@ -33,6 +33,8 @@ class ConvertRequest:
     out: Path
     layout: str
     target: Path | None = None
+    # options of the layout (Layout.option_choices), e.g. {"keys": "flat"} for per-layer --flat-keys-only
+    layout_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     assistant: Path | None = None
     single: Path | None = None
     force: bool = False
@@ -94,7 +96,7 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     sources = _sources(request)
     if request.link not in LINK_MODES:
         raise UsageError(f"unknown --link {request.link!r}; choose one of {', '.join(LINK_MODES)}")
-    layout = get_layout(request.layout)
+    layout = get_layout(request.layout, request.layout_options)
     checkpoints = {role: request.opened.get(path) or read_checkpoint(path) for role, path in sources.items()}
     _check_output(request, list(sources.values()))
     warnings: list[str] = []
@@ -254,6 +256,7 @@ def manifest_document(item: PlannedCheckpoint, *, source_hashes: Mapping[str, st
         "version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "layout": plan.layout,
+        "layout_options": dict(plan.layout_options),
         "role": plan.role,
         "model_type": source.spec.model_type,
         "converted_with_pair": paired,

@@ -102,6 +102,7 @@ class CheckpointPlan:
     side_files: tuple[str, ...]
     metadata: Mapping[str, str]
     warnings: tuple[str, ...] = ()
+    layout_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def tensors(self) -> tuple[TensorPlan, ...]:

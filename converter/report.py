@@ -5,6 +5,7 @@ The document built here is the `--json` output; its keys are documented in READM
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -12,18 +13,23 @@ from .cost import kv_costs
 from .errors import InputError
 from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
 from .io.checkpoint import Checkpoint
-from .layouts import get_layout
+from .layouts import get_layout, layout_names
 from .layouts.base import (AttentionTensor, attention_problems, check_attention_scales, check_moe_tensors,
-                           check_quantized_attention, expected_shape, find_attention_tensors)
+                           check_quantized_attention, expected_shape, find_attention_tensors, layout_from_manifest)
 from .quantization import weight_scheme
+from .serving import VLLM_027_NEW, VLLM_027_OLD, ServingEnv, config_form, predict, recommend
 from .vllm_loading import RAISES, TensorLoad, predict_weight_loading
 
 REPORT_VERSION = 1
-AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
 
-def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
-    """The inspect document for one checkpoint (see README.md, "inspect --json keys")."""
+def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = None) -> dict[str, Any]:
+    """The inspect document for one checkpoint (see README.md, "inspect --json keys").
+
+    Args:
+        checkpoint: the checkpoint (config and headers are all that is read).
+        serving: the user's serving environment (inspect --serving-python): the recommendation is for it alone.
+    """
     spec = checkpoint.spec
     attention_tensors = list(find_attention_tensors(checkpoint))
     contradictions = attention_problems(attention_tensors, spec, source=str(checkpoint.path))
@@ -50,9 +56,12 @@ def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         "moe": _moe(checkpoint),
         "conversion": _conversion(checkpoint, recognized),
         "vllm_0_27": predict_vllm(spec, attention_tensors, predict_weight_loading(contradictions, spec)),
-        "recommendation": _recommendation(spec, recognized),
+        "recommendation": recommend(spec, fused=_fused(attention_tensors), env=serving,
+                                    kv_ratio=kv_costs(spec.attention)[0].ratio, recognized=recognized),
+        "weight_bytes": _weight_bytes(checkpoint, attention_tensors),
         "kv_cache_bytes_per_token": [
-            {"context": c.context, "current": c.before, "pad_global": c.after, "ratio": None if c.ratio is None else round(c.ratio, 3)}
+            {"context": c.context, "current": c.before, "per_layer": c.before, "pad_global": c.after,
+             "ratio": None if c.ratio is None else round(c.ratio, 3)}
             for c in kv_costs(spec.attention)],
     }
 
@@ -64,8 +73,12 @@ def _dialect(spec: ModelSpec) -> dict[str, Any]:
         DIALECT_BOTH: "flat keys and per_layer_config; transformers ignores the flat global keys "
                       "(per_layer_config wins), vLLM 0.27 reads only the flat ones",
     }
+    note = notes[spec.dialect]
+    if spec.dual_keys:
+        note += ("; plus the zero-cost dual keys (allow_global_per_layer_attribute_access, attribute_map aliases) that "
+                 "keep them readable under transformers>=5.15")
     return {"name": spec.dialect, "wins": DIALECT_LEGACY if spec.dialect == DIALECT_LEGACY else DIALECT_PER_LAYER,
-            "note": notes[spec.dialect]}
+            "note": note}
 
 
 def _geometry(spec: ModelSpec) -> dict[str, Any]:
@@ -177,10 +190,10 @@ def _scheme_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> 
 
 def _recognized_layout(checkpoint: Checkpoint) -> str | None:
     manifest = checkpoint.manifest or {}
-    layout = manifest.get("layout") if manifest.get("tool") == "gemma4-convert" else None
-    if layout and get_layout(layout).matches(checkpoint.spec):
-        return layout
-    return None
+    if manifest.get("tool") != "gemma4-convert" or manifest.get("layout") not in layout_names():
+        return None
+    layout = layout_from_manifest(manifest)
+    return layout.name if layout.matches(checkpoint.spec) else None
 
 
 def _conversion(checkpoint: Checkpoint, recognized: str | None) -> dict[str, Any] | None:
@@ -192,6 +205,24 @@ def _conversion(checkpoint: Checkpoint, recognized: str | None) -> dict[str, Any
             "converted_with_pair": manifest.get("converted_with_pair"), "warnings": manifest.get("warnings", [])}
 
 
+def _weight_bytes(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> dict[str, int | None]:
+    """Tensor bytes as is, after per-layer (unchanged) and after pad-global (null where pad-global refuses it),
+    from the pad-global layout's own plan of every attention tensor."""
+    spec, current = checkpoint.spec, checkpoint.total_bytes
+    layout = get_layout("pad-global")
+    try:
+        layout.check(spec, source=str(checkpoint.path))
+        growth = sum((math.prod(layout.plan_attention(t, spec, t.source.ref.name).shape) - math.prod(t.source.shape))
+                     * t.source.ref.itemsize for t in tensors)
+    except InputError:
+        return {"current": current, "per_layer": current, "pad_global": None}
+    return {"current": current, "per_layer": current, "pad_global": current + growth}
+
+
+def _fused(tensors: list[AttentionTensor]) -> bool:
+    return any(t.from_fused for t in tensors)
+
+
 def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[TensorLoad] = ()) -> dict[str, Any]:
     """What stock vLLM 0.27.0 does with this config (FACTS.md section 3), per transformers generation.
 
@@ -199,28 +230,14 @@ def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[Te
     config itself loads, they decide the outcome: "fails" (the error the first one raises) or "loads wrong".
     """
     a = spec.attention
-    fused = any(t.from_fused for t in tensors)
-    has_per_layer = spec.dialect != DIALECT_LEGACY
-    if has_per_layer:
-        old = {"outcome": "fails", "error": AMBIGUOUS,
-               "detail": "config.json carries per_layer_config, which transformers 5.14.1 already rejects"}
-    elif fused:
-        old = {"outcome": "fails", "error": None,
-               "detail": "fused self_attn.qkv_proj: vLLM 0.27 maps split q_proj/k_proj/v_proj only"}
-    else:
-        old = {"outcome": "loads", "error": None, "detail": "flat per-layer-type keys are what vLLM 0.27 reads"}
-    if a.is_homogeneous and not has_per_layer and not fused:
-        new = {"outcome": "loads", "error": None, "detail": "homogeneous geometry: no per-layer attribute to reject"}
-    else:
-        new = {"outcome": "fails", "error": AMBIGUOUS,
-               "detail": "heterogeneous head_dim/KV heads: transformers>=5.15 raises on config.head_dim "
-                         "(vLLM model_arch_config_convertor.py:608) before any weight is read"}
+    form = config_form(spec, fused=_fused(tensors))
     risk = None
     if spec.dialect == DIALECT_PER_LAYER and not a.is_homogeneous:
         risk = ("global_head_dim/num_global_key_value_heads are absent: if the config is forced through, vLLM builds "
                 "full layers with the sliding geometry; a target k_eq_v layer then fails with 'start (0) + length "
                 f"({a.num_kv_heads * a.head_dim}) exceeds dimension size ({a.num_global_kv_heads * a.global_head_dim})'"
                 " and draft q_proj/o_proj are silently truncated (garbage outputs)")
+    old, new = predict(form, VLLM_027_OLD).document(), predict(form, VLLM_027_NEW).document()
     weights = _weights_verdict(list(loads))
     if weights is not None:
         old = weights if old["outcome"] == "loads" else old
@@ -242,23 +259,6 @@ def _weights_verdict(loads: list[TensorLoad]) -> dict[str, Any] | None:
     first = loads[0]
     return {"outcome": "loads wrong", "error": None,
             "detail": f"no error, but {first.tensor}: {first.detail} (vLLM 0.27.0 {first.where}){more}"}
-
-
-
-
-
-def _recommendation(spec: ModelSpec, recognized: str | None) -> dict[str, Any]:
-    a = spec.attention
-    if a.is_homogeneous and spec.dialect == DIALECT_LEGACY:
-        return {"layout": None, "why": "already homogeneous: serves with any transformers version"
-                + (f" (converted with {recognized})" if recognized else "")}
-    ratio = kv_costs(a)[0].ratio
-    return {"layout": "per-layer", "requires": "transformers<5.15 where vLLM runs",
-            "why": "exact and free: same tensors and KV cache, only the config keys vLLM 0.27 reads",
-            "alternative": {"layout": "pad-global", "when": "the serving environment has transformers>=5.15 "
-                            "(what `pip install vllm==0.27.0` resolves today)",
-                            "kv_cache_ratio_all_layers": None if ratio is None else round(ratio, 3),
-                            "note": "convert target and assistant together"}}
 
 
 def summarize_layers(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from .errors import InputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, parse_attention_name
 from .io.checkpoint import Checkpoint, read_checkpoint
 from .io.writer import SequentialReader
-from .layouts import get_layout
+from .layouts.base import layout_from_manifest
 from .pairing import check_pair
 from .plan import TensorPlan
 
@@ -96,7 +96,7 @@ def check_structure(source: Checkpoint, output: Checkpoint, *, role: str,
     manifest = output.manifest
     if not manifest or manifest.get("tool") != "gemma4-convert":
         return [Problem(role, f"{output.path} has no conversion.json from gemma4-convert")], 0, 0
-    layout = get_layout(manifest.get("layout", ""))
+    layout = layout_from_manifest(manifest)
     expected = layout.plan(source)
     planned = {t.name: t for t in expected.tensors}
     actual = output.tensors

@@ -8,34 +8,54 @@ import pytest
 import torch
 
 from conftest import load_tensors, read_config, text_config
-from converter.gemma4 import GEOMETRY_KEYS
+from converter.gemma4 import ALLOW_GLOBAL_ACCESS, DUAL_KEYS, GEOMETRY_KEYS, GLOBAL_ALIASES
 
 PRESET_CASES = [("31b", {"num_shards": 2}), ("26b-a4b", {"multimodal": False}), ("e2b", {"multimodal": False}),
                 ("e4b", {"multimodal": False, "num_shards": 3})]
 
 
-def _convert(run_cli, src, out, layout="per-layer"):
+def _convert(run_cli, src, out, layout="per-layer", *options):
     result = run_cli("convert", "--target", src / "target", "--assistant", src / "assistant", "--out", out,
-                     "--layout", layout)
+                     "--layout", layout, *options)
     assert result.code == 0, result.err
     return result
+
+
+FLAT_ONLY_CASES = [("31b", {"num_shards": 2}, "legacy"), ("e2b", {"multimodal": False}, "per_layer_config")]
 
 
 @pytest.mark.parametrize("dialect", ["legacy", "per_layer_config", "both"])
 @pytest.mark.parametrize("preset, options", PRESET_CASES)
 def test_per_layer_output_has_explicit_keys_and_identical_tensors(synthetic_cache, tmp_path, run_cli, preset,
                                                                    options, dialect):
+    _check_per_layer_output(synthetic_cache, tmp_path, run_cli, preset, options, dialect, flat_only=False)
+
+
+@pytest.mark.parametrize("preset, options, dialect", FLAT_ONLY_CASES)
+def test_flat_keys_only_writes_bare_flat_keys(synthetic_cache, tmp_path, run_cli, preset, options, dialect):
+    _check_per_layer_output(synthetic_cache, tmp_path, run_cli, preset, options, dialect, flat_only=True)
+
+
+def _check_per_layer_output(synthetic_cache, tmp_path, run_cli, preset, options, dialect, *, flat_only):
     src = synthetic_cache(preset, "pair", dialect=dialect, **options)
     out = tmp_path / "out"
-    result = _convert(run_cli, src, out)
+    result = _convert(run_cli, src, out, "per-layer", *(["--flat-keys-only"] if flat_only else []))
     assert "vllm serve" in result.out and '"method": "mtp"' in result.out
+    assert ("transformers<5.15" in result.out) == flat_only
+    added = set(GEOMETRY_KEYS) | (set() if flat_only else set(DUAL_KEYS))
     for role in ("target", "assistant"):
         source_config, output_config = read_config(src / role), read_config(out / role)
         source_text, output_text = text_config(source_config), text_config(output_config)
         assert "per_layer_config" not in output_text
-        assert set(output_text) == (set(source_text) - {"per_layer_config"}) | set(GEOMETRY_KEYS)
+        assert set(output_text) == (set(source_text) - {"per_layer_config"}) | added
         for key in set(source_text) - {"per_layer_config", *GEOMETRY_KEYS}:
             assert output_text[key] == source_text[key], key
+        if not flat_only:  # the aliases vLLM reads carry the same values transformers >= 5.15 pops
+            assert output_text[ALLOW_GLOBAL_ACCESS] is True and output_text["attribute_map"] == GLOBAL_ALIASES
+            for name, alias in GLOBAL_ALIASES.items():
+                assert output_text[alias] == output_text[name], alias
+        assert json.loads((out / role / "conversion.json").read_text())["layout_options"] == \
+            {"keys": "flat" if flat_only else "dual"}
         if "text_config" in source_config:  # the wrapper's own keys are untouched, but for the vision rope name
             rope = (source_config.get("vision_config") or {}).get("rope_parameters")
             # transformers >= 5.15 re-saves it as "axial", which 5.14.1 cannot build; "default" reads everywhere
@@ -187,3 +207,55 @@ def test_untouched_tensors_are_never_decoded(pair, tmp_path, monkeypatch):
     pipeline.execute(plan)
     transformed = sorted(t.name for item in plan.items for t in item.plan.tensors if not t.is_copy)
     assert sorted(calls) == transformed and 0 < len(calls) < sum(len(i.plan.tensors) for i in plan.items) / 3
+
+
+@pytest.mark.parametrize("flat_only", [False, True])
+def test_verify_replans_with_the_recorded_key_style(synthetic_cache, tmp_path, run_cli, flat_only):
+    src = synthetic_cache("31b", "target", multimodal=False)
+    out = tmp_path / "out"
+    assert run_cli("convert", src, "--out", out, "--layout", "per-layer",
+                   *(["--flat-keys-only"] if flat_only else [])).code == 0
+    assert run_cli("verify", src, out, "--device", "cpu").code == 0
+    # the other key style recorded for the same config is a config mismatch verify must name
+    manifest_path = out / "conversion.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["layout_options"] = {"keys": "dual" if flat_only else "flat"}
+    manifest_path.write_text(json.dumps(manifest))
+    result = run_cli("verify", src, out, "--device", "cpu")
+    assert result.code == 1 and "config.json differs from what per-layer requires" in result.out + result.err
+
+
+def test_manifest_without_layout_options_means_bare_flat_keys(synthetic_cache, tmp_path, run_cli):
+    """Outputs written before per-layer had options carry bare flat keys and no `layout_options`."""
+    src = synthetic_cache("31b", "target", multimodal=False)
+    out = tmp_path / "out"
+    assert run_cli("convert", src, "--out", out, "--layout", "per-layer", "--flat-keys-only").code == 0
+    manifest = json.loads((out / "conversion.json").read_text())
+    del manifest["layout_options"]
+    (out / "conversion.json").write_text(json.dumps(manifest))
+    assert run_cli("verify", src, out, "--device", "cpu").code == 0
+    assert json.loads(run_cli("inspect", out, "--json").out)["conversion"]["recognized"] is True
+
+
+def test_flat_keys_only_is_refused_for_pad_global(synthetic_cache, tmp_path, run_cli):
+    src = synthetic_cache("31b", "pair")
+    result = run_cli("convert", "--target", src / "target", "--assistant", src / "assistant",
+                     "--out", tmp_path / "out", "--layout", "pad-global", "--flat-keys-only")
+    assert result.code == 2 and "--flat-keys-only applies to --layout per-layer only" in result.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_pad_global_drops_dual_keys_of_its_source(synthetic_cache, tmp_path, run_cli):
+    """A dual-keys source re-laid out by pad-global must not keep aliases vLLM would read over the padded keys."""
+    src = synthetic_cache("31b", "pair")
+    zero_cost = tmp_path / "zero-cost"
+    _convert(run_cli, src, zero_cost)
+    staged = tmp_path / "staged"
+    for role in ("target", "assistant"):  # a foreign dual-keys checkpoint: same files, no conversion.json
+        shutil.copytree(zero_cost / role, staged / role, ignore=shutil.ignore_patterns("conversion.json"))
+    out = tmp_path / "padded"
+    _convert(run_cli, staged, out, "pad-global")
+    for role in ("target", "assistant"):
+        text = text_config(read_config(out / role))
+        assert not set(DUAL_KEYS) & set(text)
+        assert text["global_head_dim"] == text["head_dim"]

@@ -70,13 +70,18 @@ def test_text_output_and_costs_of_the_real_31b_geometry(tmp_path, run_cli):
     result = run_cli("inspect", tmp_path)
     assert result.code == 0, result.err
     assert "0-4       sliding_attention       256   16  split q/k/v" in result.out
-    assert "KV cache per token (every layer holds the full context): 880.0 KiB now, after pad-global 1.9 MiB (x2.18)" \
-        in result.out
+    assert ("KV cache per token (every layer holds the full context): 880.0 KiB as is and after per-layer (x1.00), "
+            "after pad-global 1.9 MiB (x2.18)") in result.out
     report = json.loads(run_cli("inspect", "--json", tmp_path).out)
     costs = {c["context"]: c["ratio"] for c in report["kv_cache_bytes_per_token"]}
     assert costs[None] == pytest.approx(2.18, abs=0.01)
     assert costs[8192] == pytest.approx(2.89, abs=0.01) and costs[131072] == pytest.approx(3.86, abs=0.01)
     assert report["kv_cache_bytes_per_token"][0]["current"] == 880 * 1024
+    assert report["kv_cache_bytes_per_token"][0]["per_layer"] == 880 * 1024
+    weights = report["weight_bytes"]  # FACTS.md section 4: pad-global adds 6.94 G parameters to the 31B target
+    assert weights["per_layer"] == weights["current"]
+    assert (weights["pad_global"] - weights["current"]) / 2 == pytest.approx(6.94e9, rel=0.005)
+    assert "after per-layer (+0 B), after pad-global" in result.out
 
 
 def test_shape_contradiction_is_reported(synthetic_cache, tmp_path, run_cli):

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from converter.io.checkpoint import read_checkpoint
+from converter.serving import ServingEnv, config_form, predict
 from converter.synthetic import fp8_quantization_config, tiny_preset, write_pair
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,20 +175,19 @@ def run_checker(env: VllmEnv, pair: Path, json_path: Path) -> tuple[int, dict, s
 
 # ------------------------------------------------------------------------------------ expectations
 
-def expected_failure(source: Source, variant: str, env_name: str) -> str | None:
+def expected_failure(pair: Path, env: VllmEnv) -> str | None:
     """The stage expected to fail with AmbiguousGlobalPerLayerAttributeError, or None when the row must pass.
 
-    transformers >= 5.15 turns the flat global keys into per_layer_config, and 5.14.1 already raises
-    on a config.json that holds per_layer_config; vLLM 0.27.0 reads `head_dim` globally in
-    ModelConfig either way. per-layer output keeps flat keys for transformers < 5.15 only;
-    pad-global output is homogeneous and must load everywhere.
+    The expectation is what `inspect` predicts (converter/serving.py) for the target's config form in this
+    env, so every row also checks the prediction against the real loader: transformers >= 5.15 turns the flat
+    global keys into per_layer_config, and 5.14.1 already raises on a config.json that holds per_layer_config;
+    vLLM 0.27.0 reads `head_dim` globally in ModelConfig either way. per-layer output carries the dual keys
+    (loads everywhere), --flat-keys-only output only the flat keys; pad-global output is homogeneous.
     """
-    if variant == "pad-global":
-        return None
-    readable_by_5_14 = variant == "per-layer" or source.dialect == "legacy"
-    if env_name == LEGACY_TRANSFORMERS and readable_by_5_14:
-        return None
-    return "model_config"
+    form = config_form(read_checkpoint(pair / "target").spec, fused=False)
+    verdict = predict(form, ServingEnv(vllm=env.vllm, transformers=env.transformers))
+    assert verdict.outcome in ("loads", "fails"), verdict
+    return None if verdict.outcome == "loads" else "model_config"
 
 
 def kv_shared_layers_without_k(target: Path) -> list[int]:
@@ -258,7 +259,7 @@ def test_stock_vllm_027_load(vllm_envs, pairs, tmp_path, source_name, variant, e
         assert bad and all(r["draft"] != r["target"] for r in bad)
         return
 
-    failing_stage = expected_failure(source, variant, env_name)
+    failing_stage = expected_failure(pair, env)
     if failing_stage is not None:
         # the bug the converter fixes: stock 0.27.0 cannot even parse the config
         assert (code, result["stage_failed"], result["error_type"]) == (2, failing_stage, AMBIGUOUS), output[-4000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -15,6 +16,7 @@ from ..layouts import get_layout, layout_names
 from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertRequest, ConvertResult, execute, plan_conversion,
                         serve_command)
 from ..plan import parse_size
+from ..serving import recommend
 from ._common import PATH, kv_cost_lines, resolve_cli_source
 
 
@@ -35,8 +37,11 @@ def _size(ctx, param, value):
               "(written to OUT/assistant).")
 @click.option("--out", "out", type=PATH, required=True, help="Output directory (must not exist unless --force).")
 @click.option("--layout", type=click.Choice(layout_names()), required=True,
-              help="per-layer: explicit keys, tensors unchanged (transformers<5.15). "
-                   "pad-global: homogeneous geometry, any transformers.")
+              help="per-layer: tensors and KV cache unchanged, config keys only (any transformers 5.x). "
+                   "pad-global: homogeneous geometry by exact padding (costs KV cache and weights).")
+@click.option("--flat-keys-only", is_flag=True,
+              help="per-layer only: write the bare flat keys without the dual keys (serves with transformers<5.15 "
+                   "only; the default serves with any transformers 5.x).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only after the new output is complete).")
 @click.option("--link", type=click.Choice(LINK_MODES), default="auto", show_default=True,
               help="How files the layout leaves unchanged get into OUT: auto = reflink (copy-on-write clone) where "
@@ -47,7 +52,7 @@ def _size(ctx, param, value):
               help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
 @click.pass_context
 def command(ctx: click.Context, src: str | None, target: str | None, assistant: str | None, out: Path, layout: str,
-            force: bool, link: str, dry_run: bool, max_shard_size: int | None) -> None:
+            flat_keys_only: bool, force: bool, link: str, dry_run: bool, max_shard_size: int | None) -> None:
     """Convert a target and/or assistant (or one checkpoint SRC) into OUT with the chosen layout.
 
     \b
@@ -57,9 +62,12 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
       gemma4-convert convert --target T --assistant A --out DST --layout pad-global
       gemma4-convert convert SRC --out DST --layout per-layer
     """
+    if flat_keys_only and layout != "per-layer":
+        raise UsageError("--flat-keys-only applies to --layout per-layer only")
     texts = {role: text for role, text in (("single", src), ("target", target), ("assistant", assistant)) if text}
     sources = _resolve(ctx, texts, purpose="headers")
-    options = dict(out=out, layout=layout, force=force, max_shard_bytes=max_shard_size, link=link)
+    options = dict(out=out, layout=layout, layout_options={"keys": "flat"} if flat_keys_only else {}, force=force,
+                   max_shard_bytes=max_shard_size, link=link)
     plan = plan_conversion(_request(sources, **options))
     _print_plan(plan, dry_run=dry_run)
     if link in LINK_MEANING:
@@ -80,8 +88,8 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
     click.echo("serve it with stock vLLM 0.27:")
-    if layout == "per-layer":
-        click.echo("  (per-layer needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
+    if flat_keys_only:
+        click.echo("  (--flat-keys-only needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
     click.echo(f"  {serve_command(plan)}")
 
 
@@ -108,7 +116,7 @@ def _request(sources: dict[str, LocalSource], **options) -> ConvertRequest:
 
 
 def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
-    layout = get_layout(plan.request.layout)
+    layout = get_layout(plan.request.layout, plan.request.layout_options)
     click.echo(f"layout {layout.name}: {layout.description}")
     for item in plan.items:
         destination = plan.output_dir(item)
@@ -125,12 +133,34 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
         if dry_run:
             for shard in item.plan.shards:
                 click.echo(f"    {shard.file_name}: {len(shard.tensors)} tensors, {human_bytes(shard.nbytes)}")
-    if plan.request.layout == "pad-global" and plan.item("target") is not None:
-        click.echo("  cost of pad-global for serving:")
-        for line in kv_cost_lines(plan.kv_costs()):
+    if plan.item("target") is not None:
+        padded = plan.request.layout == "pad-global"
+        costs = plan.kv_costs() if padded else tuple(replace(c, after=c.before) for c in plan.kv_costs())
+        click.echo(f"  cost of {layout.name} for serving:"
+                   + ("" if padded else " none - KV cache and weights unchanged (zero cost)"))
+        for line in kv_cost_lines(costs):
             click.echo("  " + line)
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
+    for note in serving_notes(plan):
+        click.echo(f"note: {note}")
+
+
+def serving_notes(plan: ConversionPlan) -> list[str]:
+    """What the user may not need: a source that already serves as it is, or pad-global where per-layer is free."""
+    notes = []
+    for item in plan.items:
+        fused = any(t.action.startswith("split") for t in item.plan.tensors)
+        rec = recommend(item.source.spec, fused=fused, env=None, kv_ratio=None)
+        if rec["no_conversion_needed"]:
+            notes.append(f"{item.source.path} already serves as it is: {rec['why']}")
+        elif rec["no_conversion_needed_when"]:
+            notes.append(f"{item.source.path} already serves as it is where {rec['no_conversion_needed_when']} "
+                         "(`gemma4-convert inspect SRC --serving-python PYTHON` tells for your environment)")
+    if plan.request.layout == "pad-global":
+        notes.append("--layout per-layer serves every tested vLLM/transformers environment at zero cost "
+                     "(same tensors, same KV cache); pad-global is the fallback for where it cannot")
+    return notes
 
 
 __all__ = ["command", "UsageError"]

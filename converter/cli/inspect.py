@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
@@ -10,19 +11,24 @@ from ..cost import KvCost, human_bytes
 from ..errors import InputError
 from ..hub import LocalSource, open_checkpoint
 from ..report import inspect_checkpoint, summarize_layers
-from ._common import SOURCE_HEADERS, echo_json, kv_cost_lines
+from ..serving import read_serving_env
+from ._common import PATH, SOURCE_HEADERS, echo_json, kv_cost_lines
 
 
 @click.command("inspect")
 @click.argument("src", type=SOURCE_HEADERS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (keys documented in README.md).")
-def command(src: LocalSource, as_json: bool) -> None:
+@click.option("--serving-python", type=PATH, default=None, metavar="PYTHON",
+              help="The python of the environment vLLM serves from: its vLLM and transformers versions are read "
+                   "(nothing is imported) and the prediction and recommendation are for exactly that environment.")
+def command(src: LocalSource, as_json: bool, serving_python: Path | None) -> None:
     """Describe a checkpoint from config.json and safetensors headers only (no tensor data is read).
 
     SRC is a directory or a Hub repo id OWNER/NAME[@REVISION]; for a repo only config and headers are fetched.
     Exits 3 when it reports a problem (config against tensors, dtypes; a broken index or header stops it).
     """
-    report = inspect_checkpoint(open_checkpoint(src))
+    serving = read_serving_env(serving_python) if serving_python is not None else None
+    report = inspect_checkpoint(open_checkpoint(src), serving=serving)
     if as_json:
         echo_json(report)
     else:
@@ -79,14 +85,33 @@ def render(report: dict[str, Any]) -> None:
         click.echo(f"    with {generation}: {verdict['outcome']}{error} - {verdict['detail']}")
     if report["vllm_0_27"]["silent_truncation_risk"]:
         click.echo(f"    risk: {report['vllm_0_27']['silent_truncation_risk']}")
-    rec = report["recommendation"]
-    if rec["layout"] is None:
-        click.echo(f"  recommendation: nothing to convert - {rec['why']}")
-    else:
-        alt = rec["alternative"]
-        click.echo(f"  recommendation: --layout {rec['layout']} ({rec['why']}; requires {rec['requires']}); "
-                   f"or --layout {alt['layout']} when {alt['when']}")
+    render_recommendation(report["recommendation"])
+    weights = report["weight_bytes"]
+    padded = weights["pad_global"]
+    click.echo(f"  weights: {human_bytes(weights['current'])} as is and after per-layer (+0 B), after pad-global "
+               + ("n/a (pad-global refuses this checkpoint)" if padded is None else
+                  f"{human_bytes(padded)} ({(padded - weights['current']) / max(weights['current'], 1):+.1%})"))
     costs = tuple(KvCost(before=c["current"], after=c["pad_global"], context=c["context"])
                   for c in report["kv_cache_bytes_per_token"])
     for line in kv_cost_lines(costs):
-        click.echo(line.replace("->", "now, after pad-global"))
+        # "X -> Y (xR)": the source and per-layer (zero cost) hold X, pad-global Y
+        click.echo(line.replace(" -> ", " as is and after per-layer (x1.00), after pad-global "))
+
+
+def render_recommendation(rec: dict[str, Any]) -> None:
+    env = rec["environment"]
+    if env is not None:
+        outcome = env["outcome"]
+        click.echo(f"  your serving environment ({env['python']}): vLLM {env['vllm']} + transformers "
+                   f"{env['transformers']}{'' if env['tested'] else ' (this exact pair is not in the tested matrix)'}"
+                   f": {outcome['outcome']}" + (f" ({outcome['error']})" if outcome["error"] else ""))
+    if rec["layout"] is None:
+        verdict = "no conversion needed" if rec["no_conversion_needed"] else "none"
+        click.echo(f"  recommendation: {verdict} - {rec['why']}")
+        return
+    click.echo(f"  recommendation: --layout {rec['layout']} - {rec['why']}")
+    if rec["no_conversion_needed_when"]:
+        click.echo(f"    no conversion is needed where {rec['no_conversion_needed_when']}: it serves as it is there")
+    if rec["alternative"]:
+        alt = rec["alternative"]
+        click.echo(f"    --layout {alt['layout']} {alt['when']}")

