@@ -70,6 +70,18 @@ def _open_locked(path: Path, destination: Path) -> int:
         os.close(fd)
 
 
+def _write_holder(fd: int) -> None:
+    """Names this process in the lock file, best effort: the flock is the lock, the name only helps the message a
+    second writer gets, and a full disk (nothing free for even these bytes) must fail where the output is written,
+    as an OutputError naming it, not here."""
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(_holder()).encode("utf-8"))
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+
+
 @contextmanager
 def output_lock(destination: Path) -> Iterator[Path]:
     """Holds the lock of `destination` for the block; a second holder (another process) gets OutputError at once.
@@ -104,8 +116,7 @@ def output_lock(destination: Path) -> Iterator[Path]:
     except OSError as exc:
         raise OutputError(f"{path}: cannot create the lock file ({exc.strerror or exc})") from exc
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(_holder()).encode("utf-8"))
+        _write_holder(fd)
         with _held_guard:
             _held[key] = (me, 1)
         yield path
