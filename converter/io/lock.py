@@ -102,10 +102,16 @@ def output_lock(destination: Path) -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = _open_locked(path, destination)
     except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise OutputError(f"{path}: no space left on device") from exc
         raise OutputError(f"{path}: cannot create the lock file ({exc.strerror or exc})") from exc
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(_holder()).encode("utf-8"))
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(_holder()).encode("utf-8"))
+        except OSError:
+            pass  # the holder's name only serves the refusal message; the flock is what excludes (a full disk
+            # is reported by the first real write)
         with _held_guard:
             _held[key] = (me, 1)
         yield path
