@@ -14,7 +14,7 @@ from .io.checkpoint import Checkpoint
 from .layouts import get_layout
 from .layouts.base import AttentionTensor, attention_problems, expected_shape, find_attention_tensors
 from .quantization import weight_scheme
-from .vllm_loading import RAISES, TensorLoad, predict_weight_loading
+from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
 
 REPORT_VERSION = 1
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
@@ -45,7 +45,8 @@ def inspect_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         "total_bytes": checkpoint.total_bytes,
         "quantization": _quantization(spec),
         "conversion": _conversion(checkpoint, recognized),
-        "vllm_0_27": predict_vllm(spec, attention_tensors, predict_weight_loading(contradictions, spec)),
+        "vllm_0_27": predict_vllm(spec, attention_tensors, predict_weight_loading(
+            contradictions + kv_shared_gaps(spec, attention_tensors), spec)),
         "recommendation": _recommendation(spec, recognized),
         "kv_cache_bytes_per_token": [
             {"context": c.context, "current": c.before, "pad_global": c.after, "ratio": None if c.ratio is None else round(c.ratio, 3)}
