@@ -18,7 +18,7 @@ from .layouts.base import (AttentionTensor, attention_problems, check_attention_
                            check_quantized_attention, expected_shape, find_attention_tensors, layout_from_manifest)
 from .quantization import weight_scheme
 from .serving import VLLM_027_NEW, VLLM_027_OLD, ServingEnv, config_form, predict, recommend
-from .vllm_loading import RAISES, TensorLoad, predict_weight_loading
+from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
 
 REPORT_VERSION = 1
 
@@ -55,7 +55,8 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
         "quantization": _quantization(spec),
         "moe": _moe(checkpoint),
         "conversion": _conversion(checkpoint, recognized),
-        "vllm_0_27": predict_vllm(spec, attention_tensors, predict_weight_loading(contradictions, spec)),
+        "vllm_0_27": predict_vllm(spec, attention_tensors, predict_weight_loading(
+            contradictions + kv_shared_gaps(spec, attention_tensors), spec)),
         "recommendation": recommend(spec, fused=_fused(attention_tensors), env=serving,
                                     kv_ratio=kv_costs(spec.attention)[0].ratio, recognized=recognized),
         "weight_bytes": _weight_bytes(checkpoint, attention_tensors),

@@ -120,6 +120,27 @@ def predict_missing(problem: AttentionProblem, spec: ModelSpec) -> TensorLoad:
                       "keeps its initial weight of ones")
 
 
+def kv_shared_gaps(spec: ModelSpec, tensors: list[Any]) -> list[AttentionProblem]:
+    """Target KV-shared layers without k_proj/k_norm (and v_proj): fine for transformers, which ignores them, but
+    vLLM 0.27.0 builds QKVParallelLinear and k_norm on every target layer (models/gemma4.py:416, :435), so it
+    meets them as missing tensors. Published E2B/E4B targets carry them; Q-only ones do not load."""
+    if spec.role != ROLE_TARGET:
+        return []
+    present: dict[int, set[str]] = {}
+    for tensor in tensors:
+        present.setdefault(tensor.layer.index, set()).add(tensor.module)
+    gaps = []
+    for layer in spec.attention.layers:
+        if not layer.kv_shared:
+            continue
+        wanted = {"k_proj", "k_norm"} | (set() if layer.k_eq_v else {"v_proj"})
+        missing = tuple(sorted(wanted - present.get(layer.index, set())))
+        if missing:
+            gaps.append(AttentionProblem(f"layer {layer.index}: KV-shared, no {', '.join(missing)}", layer=layer,
+                                         missing=missing))
+    return gaps
+
+
 def _read_order(problem: AttentionProblem) -> tuple:
     """vLLM reads files in natural order (weight_utils.py:857 `_natural_sort_key`), each file's tensors by name
     (safe_open.keys() is sorted); missing tensors only matter after everything was read."""

@@ -413,6 +413,27 @@ def test_convert_from_repo_ids_downloads_each_shard_after_planning(sources, tmp_
         assert read_checkpoint(out / role).tensors.keys() == read_checkpoint(sources / role).tensors.keys()
 
 
+HOLD_LOCK = ("import sys; from pathlib import Path; from converter.io.lock import output_lock\n"
+             "with output_lock(Path(sys.argv[1])):\n    print('LOCKED', flush=True); sys.stdin.readline()\n")
+
+
+def test_a_locked_dst_is_refused_before_any_weight_is_downloaded(sources, tmp_path, monkeypatch, run_cli):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    api = RemoteRepo({TARGET_REPO: sources / "target"}, tmp_path / "hub")
+    use_api(monkeypatch, api)
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        result = run_cli("convert", TARGET_REPO, "--out", out, "--layout", "per-layer")
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert result.code == 4 and f"another gemma4-convert (pid {holder.pid} on " in result.err, result.err
+    assert not [c for c in api.calls if c[0] == "hf_hub_download"]
+    assert not list((tmp_path / "hub").rglob("*.safetensors")) and not out.exists()
+
+
 @pytest.mark.parametrize("exc, cause", [
     (RuntimeError("Task error: File reconstruction error: CAS Client Error: connection reset"),
      "the transfer failed in hf_xet (RuntimeError: Task error: File reconstruction error"),

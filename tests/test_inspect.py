@@ -170,3 +170,30 @@ def test_clean_checkpoints_exit_0_and_mixed_attention_dtypes_exit_3(synthetic_ca
     result = run_cli("inspect", src)
     assert result.code == 3
     assert f"attention tensors mix dtypes (BF16 x" in result.err and f"{name} is F16" in result.err
+
+
+def test_q_only_kv_shared_target_layers_are_predicted_to_fail_in_vllm(synthetic_cache, tmp_path, run_cli):
+    """transformers ignores a KV-shared layer's k/v, so no problem (exit 0); vLLM 0.27 builds them anyway and its
+    load check names the missing k_norm (ValueError, as tests/test_vllm027.py saw the real loader raise)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "e2b"
+    shutil.copytree(synthetic_cache("e2b", "pair", multimodal=False) / "target", src)
+    for path in src.glob("*.safetensors"):
+        tensors = load_file(path)
+        kept = {n: t for n, t in tensors.items() if not (".layers.9.self_attn." in n and
+                                                          any(m in n for m in ("k_proj", "v_proj", "k_norm")))}
+        assert len(kept) < len(tensors) or "layers.9." not in " ".join(tensors)
+        save_file(kept, path, metadata={"format": "pt"})
+    if (src / "model.safetensors.index.json").exists():
+        index = json.loads((src / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {n: f for n, f in index["weight_map"].items()
+                               if not (".layers.9.self_attn." in n and any(m in n for m in ("k_proj", "v_proj", "k_norm")))}
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    result = run_cli("inspect", "--json", src)
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    assert report["problems"] == [] and report["layers"][9]["attention"] == "Q-only (KV shared)"
+    verdict = report["vllm_0_27"]["transformers<5.15"]
+    assert verdict["outcome"] == "fails" and verdict["error"].startswith(
+        "ValueError: Following weights were not initialized from checkpoint: {...layers.9.self_attn.k_norm.weight")

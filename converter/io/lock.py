@@ -114,6 +114,8 @@ def output_lock(destination: Path) -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = _open_locked(path, destination)
     except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise OutputError(f"{path}: no space left on device") from exc
         raise OutputError(f"{path}: cannot create the lock file ({exc.strerror or exc})") from exc
     try:
         _write_holder(fd)
