@@ -43,7 +43,8 @@ demo:
 	$(VENV)/bin/gemma4-convert verify --target $(DEMO)/source/target --assistant $(DEMO)/source/assistant \
 		--converted $(DEMO)/pad-global
 
-# docs/BENCHMARKS.md: cp vs convert (both layouts) vs verify vs a naive load/save script, cold cache, ~20 GB of disk
+# docs/BENCHMARKS.md: cp vs convert (both layouts, every --link mode) vs a naive load/save script vs verify, warm and
+# cold cache, ~15 GB of disk; BENCH_ARGS="--reflink-dir DIR" adds the reflink row (DIR on XFS reflink=1 or btrfs)
 bench:
 	$(PY) scripts/bench.py $(BENCH_ARGS)
 

@@ -230,9 +230,8 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, pa
         made[shard.file_name] = MADE_WRITTEN
     source_hashes.update({path.name: reader.finish() for path, reader in readers.items()})
     if plan.indexed:
-        files[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan))
-    files["config.json"] = write_json(directory / "config.json", plan.config)
-    made.update({INDEX_NAME: MADE_WRITTEN} if plan.indexed else {}, **{"config.json": MADE_WRITTEN})
+        files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
+    files["config.json"], made["config.json"] = write_json(directory / "config.json", plan.config), MADE_WRITTEN
     for name in plan.side_files:
         made[name], digest = place_file(source.path / name, directory / name, link=link)
         source_hashes[name] = files[name] = digest

@@ -156,7 +156,8 @@ def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, Tens
                 continue
             if (ref.dtype, ref.shape) != (tensor.dtype, tensor.shape):
                 problems.append(Problem(role, f"{ref.name} is {ref.dtype}{list(ref.shape)}, expected "
-                                              f"{tensor.dtype}{list(tensor.shape)}", ref.name, _layer_of(output, ref.name)))
+                                              f"{tensor.dtype}{list(tensor.shape)}", ref.name,
+                                        _layer_of(output, ref.name)))
                 continue
             copied, transformed = copied + tensor.is_copy, transformed + (not tensor.is_copy)
             piece = tensor.source

@@ -9,13 +9,15 @@ from wait4, i.e. from the kernel).
 
 Fairness: every run writes to a fresh directory that is removed afterwards; the timed region is the command
 plus an fsync of every file it wrote (convert fsyncs its shards itself; cp and the naive script do not, and
-without it they would "finish" in the page cache); with --cache cold (default) the page cache is dropped
-(`sync; echo 3 > /proc/sys/vm/drop_caches`, root only) before each run, then the programs (python, torch, the
-CLI, not the data) are loaded once untimed; with --cache warm the source is read once before each run instead. Repetitions are interleaved (rep 1 of every contender, then rep 2, ...).
+without it they would "finish" in the page cache). Each contender runs with the page cache warm (its inputs read
+once right before, as after a download) and cold (`sync; echo 3 > /proc/sys/vm/drop_caches` where root may, and
+posix_fadvise(DONTNEED) on every input file either way; then the programs, not the data, are loaded untimed).
+Repetitions are interleaved (rep 1 of every contender warm then cold, then rep 2, ...), so a burst of load from
+other jobs hits all of them alike. The start-up rows time the light verbs on a tiny checkpoint.
 
 Example:
-  python scripts/bench.py                                  # ~8.7 GB target, 3 reps, cold cache, docs/BENCHMARKS.md
-  python scripts/bench.py --target-layers 1 --small-target-layers 0 --repeats 1 --markdown /tmp/b.md
+  python scripts/bench.py --reflink-dir /mnt/xfs     # 4.8 GB target + 0.94 GB assistant, 3 reps, docs/BENCHMARKS.md
+  python scripts/bench.py --width-divisor 16 --repeats 1 --markdown /tmp/b.md       # smoke test, a minute
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Source:
 class Run:
     source: str
     contender: str
+    cache: str
     rep: int
     wall_s: float
     cpu_s: float
@@ -58,19 +61,27 @@ class Run:
     returncode: int
 
 
-CONTENDERS = ("cp", "dd-direct", "per-layer", "pad-global", "verify", "naive-per-layer", "naive-pad-global")
+CONTENDERS = ("cp", "dd-direct", "per-layer", "per-layer-reflink", "per-layer-hardlink", "per-layer-symlink",
+              "pad-global", "verify", "naive-per-layer", "naive-pad-global")
+DEFAULT_CONTENDERS = ("cp", "per-layer", "per-layer-reflink", "per-layer-hardlink", "per-layer-symlink", "pad-global",
+                      "naive-pad-global", "verify")
 
 
-def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, converted: Path | None) -> list[str]:
+def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, converted: Path | None,
+                      assistant: Path | None = None) -> list[str]:
     if contender == "cp":
         return ["cp", "-r", str(src), str(out)]
     if contender == "dd-direct":  # copy with O_DIRECT on both sides, 4 MiB requests: what convert's I/O does
         return ["sh", "-c", 'mkdir "$2" && for f in "$1"/*; do dd if="$f" of="$2/${f##*/}" bs=4M iflag=direct '
                 'oflag=direct status=none || exit 1; done', "dd-direct", str(src), str(out)]
-    if contender in ("per-layer", "pad-global"):
+    if contender in ("per-layer", "pad-global"):  # --link auto: a copy on a filesystem without reflinks
         return [CLI, "convert", str(src), "--out", str(out), "--layout", contender]
-    if contender == "verify":
-        return [CLI, "verify", str(src), str(converted), "--device", "cpu", "--seq-len", str(seq_len),
+    if contender.startswith("per-layer-"):
+        return [CLI, "convert", str(src), "--out", str(out), "--layout", "per-layer", "--link",
+                contender.removeprefix("per-layer-")]
+    if contender == "verify":  # the pair when the assistant is benchmarked too: target layers, then the assistant
+        sources = ["--target", str(src)] + (["--assistant", str(assistant)] if assistant else [])
+        return [CLI, "verify", *sources, "--converted", str(converted), "--device", "cpu", "--seq-len", str(seq_len),
                 "--json", str(out / "verification.json")]
     if contender.startswith("naive-"):
         return [PY, str(REPO / "scripts" / "naive_convert.py"), str(src), str(out), "--layout",
@@ -83,6 +94,24 @@ def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, con
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def evict(path: Path) -> None:
+    """posix_fadvise(DONTNEED) on every file under path: the unprivileged way to make one tree cold."""
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink()):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def make_cold(paths: list[Path], can_drop: bool) -> None:
+    if can_drop:
+        drop_caches()
+    for path in paths:  # also after drop_caches: it is a no-op then, and the only way without root
+        evict(path)
 
 
 def warm_programs() -> None:
@@ -161,39 +190,68 @@ def build(source: Source, log: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ running
 
-def bench_source(source: Source, args: argparse.Namespace, log: Path) -> list[Run]:
+def source_for(contender: str, source: Source, args: argparse.Namespace, log: Path) -> Path:
+    """Where a contender reads the source: the reflink contender needs it on a filesystem with reflinks."""
+    if contender != "per-layer-reflink":
+        return source.path
+    copy = args.reflink_dir / "sources" / source.name
+    if not (copy.parent / f"{source.name}.complete").exists():
+        shutil.rmtree(copy, ignore_errors=True)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source.path, copy)
+        (copy.parent / f"{source.name}.complete").write_text("")
+    return copy
+
+
+def bench_source(source: Source, args: argparse.Namespace, log: Path, *, assistant: Source | None,
+                 can_drop: bool) -> list[Run]:
     runs: list[Run] = []
     outs = args.work_dir / "out"
     converted = outs / f"{source.name}.verify-input"
-    if "verify" in args.contenders:
+    contenders = [c for c in args.contenders if c != "per-layer-reflink" or args.reflink_dir]
+    pair = assistant if assistant is not None and source.name.startswith("target") else None
+    if "verify" in contenders:
         shutil.rmtree(converted, ignore_errors=True)
+        sources = ["--target", str(source.path)] + (["--assistant", str(pair.path)] if pair else [])
         with open(log, "ab") as sink:
-            subprocess.run([CLI, "convert", str(source.path), "--out", str(converted), "--layout", "pad-global"],
+            subprocess.run([CLI, "convert", *sources, "--out", str(converted), "--layout", "pad-global"],
                            check=True, stdout=sink, stderr=subprocess.STDOUT)
     try:
         for rep in range(1, args.repeats + 1):
-            for contender in args.contenders:
-                out = outs / f"{source.name}.{contender}"
-                shutil.rmtree(out, ignore_errors=True)
-                if contender == "verify":
-                    out.mkdir(parents=True)
-                if args.cache == "cold":
-                    drop_caches()
-                    warm_programs()
-                else:
-                    read_through(source.path)
-                command = contender_command(contender, source.path, out, seq_len=args.seq_len, converted=converted)
-                wall, cpu, rss, code = timed_child(command, flush=out, log=log)
-                shutil.rmtree(out, ignore_errors=True)
-                run = Run(source.name, contender, rep, wall, cpu, rss, code)
-                runs.append(run)
-                print(f"  {source.name:<12} {contender:<17} rep {rep}: {wall:7.2f} s  cpu {cpu:7.2f} s  "
-                      f"rss {rss / 1024:7.0f} MiB  exit {code}  (load {os.getloadavg()[0]:.2f})", flush=True)
-                if code != 0:
-                    raise SystemExit(f"{contender} on {source.name} exited {code}; see {log}")
+            for cache in args.cache:
+                for contender in contenders:  # interleaved: cp, convert, ... then again, so load hits all alike
+                    runs.append(run_one(source, contender, cache, rep, args, log, converted=converted, pair=pair,
+                                        can_drop=can_drop))
     finally:
         shutil.rmtree(converted, ignore_errors=True)
     return runs
+
+
+def run_one(source: Source, contender: str, cache: str, rep: int, args: argparse.Namespace, log: Path, *,
+            converted: Path, pair: Source | None, can_drop: bool) -> Run:
+    src = source_for(contender, source, args, log)
+    out = (args.reflink_dir if contender == "per-layer-reflink" else args.work_dir) / "out" / \
+        f"{source.name}.{contender}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if contender == "verify":
+        out.mkdir(parents=True)
+    inputs = [src] + ([converted] + ([pair.path] if pair else []) if contender == "verify" else [])
+    if cache == "cold":
+        make_cold(inputs, can_drop)
+        warm_programs()
+    else:
+        for path in inputs:
+            read_through(path)
+    command = contender_command(contender, src, out, seq_len=args.seq_len, converted=converted,
+                                assistant=pair.path if pair else None)
+    wall, cpu, rss, code = timed_child(command, flush=out, log=log)
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"  {source.name:<12} {cache:<4} {contender:<19} rep {rep}: {wall:7.2f} s  cpu {cpu:7.2f} s  "
+          f"rss {rss / 1024:7.0f} MiB  exit {code}  (load {os.getloadavg()[0]:.2f})", flush=True)
+    if code != 0:
+        raise SystemExit(f"{contender} on {source.name} exited {code}; see {log}")
+    return Run(source.name, contender, cache, rep, wall, cpu, rss, code)
 
 
 # ------------------------------------------------------------------------------------------------ start-up
@@ -247,13 +305,15 @@ def machine(work_dir: Path) -> dict[str, str]:
 
 def summarize(runs: list[Run], sizes: dict[str, int]) -> list[dict]:
     rows = []
-    for source in dict.fromkeys(r.source for r in runs):
-        cp = [r.wall_s for r in runs if r.source == source and r.contender == "cp"]
+    for source, cache in dict.fromkeys((r.source, r.cache) for r in runs):
+        same = [r for r in runs if (r.source, r.cache) == (source, cache)]
+        cp = [r.wall_s for r in same if r.contender == "cp"]
         cp_median = statistics.median(cp) if cp else None
-        for contender in dict.fromkeys(r.contender for r in runs if r.source == source):
-            mine = [r for r in runs if r.source == source and r.contender == contender]
+        for contender in dict.fromkeys(r.contender for r in same):
+            mine = [r for r in same if r.contender == contender]
             wall = statistics.median(r.wall_s for r in mine)
-            rows.append({"source": source, "input_gb": sizes[source] / 1e9, "contender": contender, "runs": len(mine),
+            rows.append({"source": source, "cache": cache, "input_gb": sizes[source] / 1e9, "contender": contender,
+                         "runs": len(mine),
                          "wall_s": wall, "min_s": min(r.wall_s for r in mine), "max_s": max(r.wall_s for r in mine),
                          "gb_per_s": sizes[source] / 1e9 / wall, "vs_cp": wall / cp_median if cp_median else None,
                          "cpu_s": statistics.median(r.cpu_s for r in mine),
@@ -273,11 +333,10 @@ def table(rows: list[dict]) -> str:
 
 
 def render(rows: list[dict], *, args: argparse.Namespace, info: dict[str, str], sources: list[Source],
-           loads: tuple[tuple[float, ...], tuple[float, ...]], startup: float, command: str) -> str:
-    cache = ("cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before every run, then `gemma4-convert --version` and "
-             "`python -c 'import safetensors.torch, converter.transforms'` untimed, so the data is cold and the "
-             "programs are not" if args.cache == "cold" else
-             "warm: the source read once into the page cache before every run")
+           loads: tuple[tuple[float, ...], tuple[float, ...]], startup: list[dict], command: str,
+           can_drop: bool) -> str:
+    cold = ("`sync; echo 3 > /proc/sys/vm/drop_caches` plus posix_fadvise(DONTNEED) on every input file" if can_drop
+            else "posix_fadvise(DONTNEED) on every input file (no root: the page cache cannot be dropped whole)")
     parts = [
         BEGIN,
         f"Command: `{command}`",
@@ -287,19 +346,28 @@ def render(rows: list[dict], *, args: argparse.Namespace, info: dict[str, str], 
         f"Load average (1/5/15 min) at start {'/'.join(f'{x:.2f}' for x in loads[0])}, "
         f"at end {'/'.join(f'{x:.2f}' for x in loads[1])}.",
         "",
-        f"Page cache: {cache}. Each contender is a fresh child process writing a fresh directory; wall time "
-        "includes an fsync of every output file; medians of "
-        f"{args.repeats} interleaved repetitions; peak RSS is the largest ru_maxrss (kernel, via wait4) of the "
-        f"child over its repetitions. `verify` is `gemma4-convert verify SRC DST --device cpu --seq-len "
-        f"{args.seq_len}` of a pad-global output (structural streaming of source and output, then layer numerics).",
-        f"Interpreter + torch import alone (`gemma4-convert --version`, warm, median of 3): {startup:.2f} s, "
-        "included in every gemma4-convert and naive row.",
+        f"Page cache: **warm** = every input read once into the page cache right before the run (as after a "
+        f"download); **cold** = {cold} right before the run, then `gemma4-convert --version` and `python -c 'import "
+        "safetensors.torch, converter.transforms'` untimed, so the data is cold and the programs are not. Each "
+        "contender is a fresh child process writing a fresh directory; wall time includes an fsync of every output "
+        f"file; medians of {args.repeats} repetitions, interleaved (rep 1 of every contender warm then cold, then "
+        "rep 2, ...); `x cp` divides by the median `cp -r` of the same cache state; peak RSS is the largest "
+        "ru_maxrss (kernel, via wait4) of the child over its repetitions. `per-layer` and `pad-global` run with the "
+        "default `--link auto` (a copy here: the filesystem has no reflinks); `per-layer-reflink` reads a copy of the "
+        f"source on {args.reflink_dir or '(not run)'} (a loop-mounted XFS image with reflink=1) and writes beside it. "
+        f"`verify` is `gemma4-convert verify --target T [--assistant A] --converted DST --device cpu --seq-len "
+        f"{args.seq_len}` of a pad-global conversion of the pair (structural streaming of both sides, then the "
+        "layer numerics and the assistant).",
         "",
         "Sources (`scripts/make_synthetic.py` arguments):",
         "",
     ]
     parts += [f"- `{s.name}`: {s.description} (`{' '.join(s.make_args)}`)" for s in sources]
-    parts += ["", table(rows), END]
+    for cache in args.cache:
+        parts += ["", f"### {cache} cache", "", table([r for r in rows if r["cache"] == cache])]
+    if startup:
+        parts += ["", "### start-up (no torch, no huggingface_hub for a local path)", "", startup_table(startup)]
+    parts += [END]
     return "\n".join(parts)
 
 
@@ -312,33 +380,30 @@ def write_markdown(path: Path, section: str) -> None:
         path.write_text("# Benchmarks\n\nGenerated by `scripts/bench.py`.\n\n" + section + "\n")
 
 
-def median_startup() -> float:
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        subprocess.run([CLI, "--version"], check=True, capture_output=True)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 # ------------------------------------------------------------------------------------------------ main
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gemma4-bench"),
                         help="sources (kept for re-runs) and outputs (removed after each run)")
-    parser.add_argument("--target-layers", type=int, default=6, help="decoder layers of the large target "
-                        "(6, five sliding + one full layer: 8.7 GB; each layer adds about 1 GB to the 2.82 GB "
-                        "embedding)")
+    parser.add_argument("--target-layers", type=int, default=2, help="decoder layers of the large target "
+                        "(2, one sliding + one full layer: 4.8 GB; 6: 8.7 GB; each layer adds about 1 GB to the "
+                        "2.82 GB embedding)")
     parser.add_argument("--target-shards", type=int, default=4)
-    parser.add_argument("--small-target-layers", type=int, default=2, help="the second target size (2: one sliding "
-                        "and one full layer, like the large one); 0 skips it")
+    parser.add_argument("--small-target-layers", type=int, default=0, help="a second target size, to compare RSS "
+                        "across layer counts; 0 (default) skips it")
     parser.add_argument("--small-target-shards", type=int, default=2)
     parser.add_argument("--sources", nargs="+", default=["assistant", "target"],
                         help="which sources to run: assistant, target (both targets), or target-NL")
-    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(DEFAULT_CONTENDERS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cache", choices=["cold", "warm"], default="cold")
+    parser.add_argument("--cache", nargs="+", choices=["warm", "cold"], default=["warm", "cold"])
+    parser.add_argument("--reflink-dir", type=Path, default=None,
+                        help="a directory on a filesystem with reflinks (XFS reflink=1, btrfs) for per-layer-reflink; "
+                             "without it that contender is skipped")
+    parser.add_argument("--no-startup", action="store_true", help="skip the start-up rows")
+    parser.add_argument("--assistant-in-pair-only", action="store_true",
+                        help="use the assistant only as the verify pair's second half (no assistant rows)")
     parser.add_argument("--width-divisor", type=int, default=1, help="shrink widths (smoke tests only)")
     parser.add_argument("--seq-len", type=int, default=4, help="verify --seq-len")
     parser.add_argument("--markdown", type=Path, default=REPO / "docs" / "BENCHMARKS.md",
@@ -352,11 +417,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     command = "python scripts/bench.py " + shlex.join(sys.argv[1:])
-    if args.cache == "cold":
-        try:
-            drop_caches()
-        except OSError as exc:
-            raise SystemExit(f"cannot drop the page cache ({exc}); run as root or pass --cache warm") from exc
+    try:
+        drop_caches()
+        can_drop = True
+    except OSError as exc:
+        print(f"cannot drop the page cache ({exc}); cold runs use posix_fadvise(DONTNEED) per input file", flush=True)
+        can_drop = False
     args.work_dir.mkdir(parents=True, exist_ok=True)
     log = args.work_dir / "bench.log"
     sources = plan_sources(args)
@@ -366,19 +432,23 @@ def main() -> None:
         return
     sizes = {s.name: tree_bytes(s.path) for s in sources}
     load_start = os.getloadavg()
-    startup = median_startup()
+    startup = [] if args.no_startup else bench_startup(args, log)
+    assistant = next((s for s in sources if s.name == "assistant"), None)
     runs: list[Run] = []
     for source in sources:
+        if source is assistant and len(sources) > 1 and args.assistant_in_pair_only:
+            continue
         print(f"{source.name}: {sizes[source.name] / 1e9:.2f} GB", flush=True)
-        runs += bench_source(source, args, log)
+        runs += bench_source(source, args, log, assistant=assistant, can_drop=can_drop)
     load_end = os.getloadavg()
     rows = summarize(runs, sizes)
     section = render(rows, args=args, info=machine(args.work_dir), sources=sources, loads=(load_start, load_end),
-                     startup=startup, command=command)
+                     startup=startup, command=command, can_drop=can_drop)
     print(section)
     write_markdown(args.markdown, section)
     if args.json:
-        args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], "summary": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], "summary": rows, "startup": startup},
+                                        indent=2) + "\n")
     if not args.keep_sources:
         for source in sources:
             shutil.rmtree(source.path, ignore_errors=True)

@@ -34,29 +34,6 @@ def _payload(tmp_path: Path, size: int = 50_000, seed: int = 0) -> tuple[Path, b
     return path, data
 
 
-class _RefusesFirstCall:
-    """Wraps a file object; the first readinto/write raises EINVAL, like a filesystem refusing O_DIRECT I/O."""
-
-    def __init__(self, handle):
-        self._handle, self.refused = handle, False
-
-    def _refuse_once(self):
-        if not self.refused:
-            self.refused = True
-            raise OSError(errno.EINVAL, "Invalid argument")
-
-    def readinto(self, buffer):
-        self._refuse_once()
-        return self._handle.readinto(buffer)
-
-    def write(self, data):
-        self._refuse_once()
-        return self._handle.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self._handle, name)
-
-
 def _refuse_direct_reads_once(monkeypatch, source: writer.SourceFile) -> list:
     """The first O_DIRECT read fails with EINVAL, like a filesystem that accepted O_DIRECT at open only."""
     refused, real, direct_fd = [], os.preadv, source._direct_fd
@@ -111,21 +88,42 @@ def test_reader_names_a_file_that_ends_early(tmp_path, small_blocks):
 
 
 @pytest.mark.parametrize("refuse_direct", [False, True])
-def test_hashing_writer_writes_every_byte_in_order(tmp_path, small_blocks, refuse_direct):
+def test_hashing_writer_writes_every_byte_in_order(tmp_path, small_blocks, monkeypatch, refuse_direct):
+    """Blocks are written by several threads at their own offsets; the file is the bytes in order."""
+    monkeypatch.setattr(writer, "WRITERS", 3)
     out = tmp_path / "out.bin"
-    pieces = [random.Random(i).randbytes(n) for i, n in enumerate((10, 4096, 1, 9000, 0, 4086, 12_289))]
-    writer_ = writer._HashingWriter(out)
-    real = writer_.handle
-    if refuse_direct:
-        writer_.handle = _RefusesFirstCall(real)
-    with real:
+    pieces = [random.Random(i).randbytes(n) for i, n in enumerate((10, 4096, 1, 9000, 0, 4086, 12_289, 40_000))]
+    refused, real = [], os.pwrite
+    if refuse_direct:  # the first write fails with EINVAL, like a filesystem accepting O_DIRECT at open only
+        def pwrite(fd, data, offset):
+            if not refused:
+                refused.append(offset)
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, data, offset)
+        monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    with writer._HashingWriter(out) as writer_:
         for piece in pieces:
             writer_.write(piece)
         writer_.finish()
-    assert not refuse_direct or (writer_.handle.refused and not writer_._direct)
+    assert not refuse_direct or (refused and not writer_._direct)
     expected = b"".join(pieces)
     assert out.read_bytes() == expected
     assert writer_.sha256.hexdigest() == hashlib.sha256(expected).hexdigest() and writer_.written == len(expected)
+
+
+def test_a_failing_write_is_raised_and_stops_the_writers(tmp_path, small_blocks, monkeypatch):
+    before = threading.active_count()
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    with pytest.raises(OSError, match="Input/output error"):
+        with writer._HashingWriter(tmp_path / "out.bin") as writer_:
+            for _ in range(20):
+                writer_.write(b"x" * 4096)
+            writer_.finish()
+    assert threading.active_count() == before
 
 
 def _shard(path: Path, sizes: list[int]) -> ShardPlan:
