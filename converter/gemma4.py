@@ -16,7 +16,12 @@ from typing import Any, Mapping
 from .errors import InputError
 from .quantization import check_quantization_config, modelopt_from_hf_quant_config
 
-TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text"}
+# gemma4_unified (12B, encoder-free vision) is served by vLLM 0.27 as Gemma4UnifiedForConditionalGeneration, a subclass
+# of the gemma4 wrapper whose language model is the same Gemma4ForCausalLM (models/gemma4_unified.py), so its
+# attention reads the same flat keys; transformers keeps the same heterogeneous geometry (global_head_dim popped into
+# per_layer_config by configuration_gemma4_unified.py >= 5.15). Its assistant becomes gemma4_mtp like the others
+# (config/speculative.py:588).
+TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text", "gemma4_unified": "multimodal"}
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 FULL = "full_attention"
 SLIDING = "sliding_attention"

@@ -24,6 +24,7 @@ import copy
 import json
 import math
 import subprocess
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -584,9 +585,59 @@ def write_tensors(out_dir: Path, specs: list[TensorSpec], *, num_shards: int = 1
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+UNIFIED_VISION = {"model_type": "gemma4_unified_vision", "patch_size": 4, "pooling_kernel_size": 1,
+                  "mm_embed_dim": 16, "mm_posemb_size": 8, "output_proj_dims": 16, "rms_norm_eps": 1e-6}
+
+
+def as_unified(config: dict, role: str) -> dict:
+    """A gemma4 target / gemma4_assistant config turned into the gemma4_unified family (12B): same text geometry,
+    encoder-free vision embedder (a tiny Gemma4UnifiedVisionConfig), no audio."""
+    unified = copy.deepcopy(config)
+    unified["text_config"]["model_type"] = "gemma4_unified_text"
+    if role == "assistant":
+        unified.update(model_type="gemma4_unified_assistant", architectures=["Gemma4UnifiedAssistantForCausalLM"])
+        return unified
+    unified.update(model_type="gemma4_unified", architectures=["Gemma4UnifiedForConditionalGeneration"],
+                   vision_config=dict(UNIFIED_VISION), audio_config=None)
+    return unified
+
+
+def unified_vision_tensors(config: dict) -> list[TensorSpec]:
+    """The encoder-free vision embedder's tensors, named and shaped by transformers' own
+    Gemma4UnifiedForConditionalGeneration built on the meta device (no hand-written list)."""
+    from transformers import AutoConfig
+    from transformers.models.gemma4_unified.modeling_gemma4_unified import Gemma4UnifiedForConditionalGeneration
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        hf_config = AutoConfig.from_pretrained(tmp)
+    with torch.device("meta"):
+        model = Gemma4UnifiedForConditionalGeneration(hf_config)
+    return [TensorSpec(_released_unified_name(name), tuple(t.shape), "norm" if t.dim() == 1 else "linear")
+            for name, t in model.state_dict().items() if name.startswith("model.embed_vision.")]
+
+
+def _released_unified_name(name: str) -> str:
+    """transformers' module name -> the released checkpoint's name, inverting transformers' own renaming
+    (conversion_mapping.py "gemma4_unified": vision_embedder.* -> embed_vision.*, embed_vision.embedding_projection
+    -> embed_vision.multimodal_embedder.embedding_projection); vLLM 0.27 loads the released names."""
+    projection = "model.embed_vision.multimodal_embedder.embedding_projection."
+    if name.startswith(projection):
+        return "model.embed_vision.embedding_projection." + name[len(projection):]
+    return "model.vision_embedder." + name[len("model.embed_vision."):]
+
+
 def _hub_parts(p: Preset, role: str, *, multimodal: bool, fused_qkv: bool,
-               quantization: dict | None) -> tuple[dict, list[TensorSpec]]:
+               quantization: dict | None, unified: bool = False) -> tuple[dict, list[TensorSpec]]:
     """(published config.json, tensor specs) of one role."""
+    if unified:
+        if not multimodal and role == "target":
+            raise ValueError("gemma4_unified targets are multimodal (vLLM 0.27 registers no text-only class)")
+        config, specs = _hub_parts(p, role, multimodal=True, fused_qkv=fused_qkv, quantization=quantization)
+        config = as_unified(config, role)
+        if role == "target":
+            specs = [s for s in specs if not s.name.startswith(("model.vision_tower.", "model.embed_vision."))]
+            specs += unified_vision_tensors(config)
+        return config, specs
     if role == "target":
         return _hub_target_config(p, multimodal=multimodal), target_tensors(p, multimodal=multimodal,
                                                                               fused_qkv=fused_qkv)
@@ -644,15 +695,19 @@ def write_checkpoint(out_dir: str | Path, *, preset: Preset | str, role: str, di
 
 def write_pair(out_dir: str | Path, *, preset: Preset | str, dialect: str = "legacy", fused_qkv: bool = False,
                num_shards: int = 1, multimodal: bool = True, dtype: torch.dtype = torch.bfloat16,
-               seed: int = 0, quantization: dict | None = None, saved_by: str | None = None) -> tuple[Path, Path]:
+               seed: int = 0, quantization: dict | None = None, saved_by: str | None = None,
+               unified: bool = False) -> tuple[Path, Path]:
     """Writes out_dir/target and out_dir/assistant sharing one preset (quantization: target only); returns both.
 
-    Both configs go through one re-save (one process when saved_by names another interpreter).
+    Both configs go through one re-save (one process when saved_by names another interpreter). unified: the
+    gemma4_unified / gemma4_unified_assistant family instead of gemma4 / gemma4_assistant.
     """
     p = PRESETS[preset] if isinstance(preset, str) else preset
     out = Path(out_dir)
-    target_parts = _hub_parts(p, "target", multimodal=multimodal, fused_qkv=fused_qkv, quantization=quantization)
-    assistant_parts = _hub_parts(p, "assistant", multimodal=False, fused_qkv=False, quantization=None)
+    target_parts = _hub_parts(p, "target", multimodal=multimodal, fused_qkv=fused_qkv, quantization=quantization,
+                              unified=unified)
+    assistant_parts = _hub_parts(p, "assistant", multimodal=False, fused_qkv=False, quantization=None,
+                                 unified=unified)
     configs = in_dialect({"target": target_parts[0], "assistant": assistant_parts[0]}, dialect, saved_by=saved_by)
     target = _write_directory(out / "target", configs["target"], target_parts[1], num_shards=num_shards,
                               dtype=dtype, seed=seed, quantization=quantization)

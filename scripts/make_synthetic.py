@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from converter.synthetic import (PRESETS, fp8_quantization_config, scaled_preset, tiny_preset,  # noqa: E402
-                                 write_checkpoint, write_pair)
+from converter.synthetic import (PRESETS, fp8_quantization_config, modelopt_nvfp4_config, scaled_preset,  # noqa: E402
+                                 tiny_preset, write_checkpoint, write_pair)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -38,18 +38,29 @@ def main() -> None:
     parser.add_argument("--text-only", action="store_true", help="target: gemma4_text instead of the gemma4 wrapper")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fp8", choices=["channel", "tensor"], default=None,
-                        help="target: compressed-tensors FP8 weights with per-channel or per-tensor scales")
+    parser.add_argument("--fp8", choices=["channel", "tensor", "block"], default=None,
+                        help="target: compressed-tensors FP8 weights with per-channel, per-tensor or block scales")
+    parser.add_argument("--fp8-block", type=int, nargs=2, default=(128, 128), metavar=("ROWS", "COLUMNS"),
+                        help="block size for --fp8 block (default 128 128; tiny presets need e.g. 8 8)")
+    parser.add_argument("--nvfp4", action="store_true",
+                        help="target: Model Optimizer NVFP4 MLPs, self_attn excluded (like nvidia/Gemma-4-31B-IT-NVFP4)")
+    parser.add_argument("--unified", action="store_true", help="gemma4_unified + gemma4_unified_assistant")
+    parser.add_argument("--saved-by", default=None, metavar="PYTHON",
+                        help="re-save the configs with this interpreter's transformers (save_pretrained)")
     args = parser.parse_args()
     if args.out.exists() and any(args.out.iterdir()):
         parser.error(f"{args.out} exists and is not empty")
     preset = tiny_preset(args.preset) if args.tiny else scaled_preset(
         args.preset, width_divisor=args.width_divisor, num_layers=args.num_layers, vocab_size=args.vocab_size)
-    common = dict(preset=preset, dialect=args.dialect, dtype=DTYPES[args.dtype], seed=args.seed)
-    quantization = fp8_quantization_config(args.fp8) if args.fp8 else None
+    common = dict(preset=preset, dialect=args.dialect, dtype=DTYPES[args.dtype], seed=args.seed,
+                  saved_by=args.saved_by)
+    quantization = fp8_quantization_config(args.fp8, block=tuple(args.fp8_block)) if args.fp8 else None
+    quantization = modelopt_nvfp4_config() if args.nvfp4 else quantization
+    if args.unified and args.role != "pair":
+        parser.error("--unified writes a pair")
     if args.role == "pair":
         paths = write_pair(args.out, fused_qkv=args.fused_qkv, num_shards=args.num_shards,
-                           multimodal=not args.text_only, quantization=quantization, **common)
+                           multimodal=not args.text_only, quantization=quantization, unified=args.unified, **common)
     elif args.role == "target":
         paths = (write_checkpoint(args.out, role="target", fused_qkv=args.fused_qkv, num_shards=args.num_shards,
                                   multimodal=not args.text_only, quantization=quantization, **common),)

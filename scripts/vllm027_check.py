@@ -60,7 +60,8 @@ EXIT_STAGE_RAISED = 2
 EXIT_USAGE = 3
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_TOWER_PREFIXES = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
+# vision_embedder: gemma4_unified's encoder-free vision embedder (models/gemma4_unified.py hf_to_vllm_mapper)
+_TOWER_PREFIXES = ("vision_tower", "embed_vision", "audio_tower", "embed_audio", "vision_embedder")
 # Persistent buffers every vLLM ``Attention`` registers for quantized KV caches
 # (``model_executor/layers/attention/attention.py``); a checkpoint without ``*.k_scale``
 # tensors leaves them at 1.0. They are checked against that value, not skipped.

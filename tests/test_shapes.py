@@ -208,3 +208,25 @@ def test_hf_quant_config_alone_is_read_like_vllm_does(nvfp4_pair, tmp_path, run_
     report = json.loads(run_cli("inspect", "--json", target).out)
     assert report["quantization"]["method"] == "modelopt"
     assert report["quantization"]["ignore"] == list(modelopt_nvfp4_config()["ignore"])
+
+
+# ------------------------------------------------------------------------------------ gemma4_unified
+
+@pytest.mark.parametrize("layout", ["per-layer", "pad-global"])
+def test_unified_pair_converts_like_gemma4(tmp_path, run_cli, layout):
+    """Same text geometry and attention names as gemma4 (vLLM 0.27 serves it with the same Gemma4ForCausalLM and
+    Gemma4MTP); the encoder-free vision embedder (released names: model.vision_embedder.*) is copied raw."""
+    src = tmp_path / "src"
+    write_pair(src, preset=tiny_preset("31b"), num_shards=2, unified=True)
+    report = json.loads(run_cli("inspect", "--json", src / "target").out)
+    assert report["model_type"] == "gemma4_unified" and report["multimodal"] and not report["problems"]
+    assert json.loads(run_cli("inspect", "--json", src / "assistant").out)["model_type"] == "gemma4_unified_assistant"
+    result = run_cli("convert", "--target", src / "target", "--assistant", src / "assistant", "--out",
+                     tmp_path / "out", "--layout", layout)
+    assert result.code == 0, result.err
+    source, output = load_tensors(src / "target"), load_tensors(tmp_path / "out" / "target")
+    vision = [n for n in source if n.startswith(("model.vision_embedder.", "model.embed_vision."))]
+    assert "model.vision_embedder.patch_dense.weight" in vision
+    assert all(torch.equal(output[n], source[n]) for n in vision)
+    text = text_config(read_config(tmp_path / "out" / "target"))
+    assert text["model_type"] == "gemma4_unified_text" and "per_layer_config" not in text

@@ -102,6 +102,7 @@ class Source:
     multimodal: bool
     num_shards: int
     fp8: str | None = None  # compressed-tensors weight strategy
+    unified: bool = False  # gemma4_unified + gemma4_unified_assistant
 
 
 SOURCES = {
@@ -120,6 +121,8 @@ SOURCES = {
     "26b-a4b-moe": Source("26b-a4b", "legacy", multimodal=True, num_shards=2),
     # multimodal, config re-saved by transformers 5.23 (zero-cost to read: vision rope "axial" written back)
     "31b-mm-resaved": Source("31b", "per_layer_config", multimodal=True, num_shards=2),
+    # gemma4_unified (12B family: encoder-free vision embedder) with gemma4_unified_assistant
+    "31b-unified": Source("31b", "legacy", multimodal=True, num_shards=2, unified=True),
 }
 VARIANTS = ("original", "per-layer", "pad-global")
 FP8_BLOCK = (8, 8)
@@ -147,7 +150,7 @@ def pairs(tmp_path_factory) -> dict[tuple[str, str], Path]:
     for name, src in SOURCES.items():
         original = root / name / "original"
         write_pair(original, preset=tiny_preset(src.preset), dialect=src.dialect, multimodal=src.multimodal,
-                   num_shards=src.num_shards,
+                   num_shards=src.num_shards, unified=src.unified,
                    quantization=fp8_quantization_config(src.fp8, block=FP8_BLOCK) if src.fp8 else None)
         out[(name, "original")] = original
         for layout in ("per-layer", "pad-global"):
