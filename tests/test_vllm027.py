@@ -1,15 +1,12 @@
 """Converted outputs against the REAL stock vLLM 0.27.0 loader, on CPU (docs/VLLM_CHECK.md).
 
 The matrix tests (marker ``vllm027``) write tiny synthetic pairs, convert them with the
-`gemma4-convert` CLI, and run scripts/vllm027_check.py as a subprocess inside each vLLM venv
-(scripts/vllm_envs.sh): one with transformers 5.14.1, one with the newest 5.x. They assert on
+`gemma4-convert` CLI, and run scripts/vllm027/check.py as a subprocess inside each vLLM venv
+(scripts/vllm027/envs.sh, package `vllm`): one with transformers 5.14.1, one with the newest 5.x. They assert on
 the checker's --json result: which stage failed and with which exception, or that every loaded
 tensor matched and the KV-sharing geometry is consistent.
 
-Where the venvs are: GEMMA4_VLLM_PYTHONS (python paths separated by os.pathsep), else every
-env under GEMMA4_VLLM_ENVS (default ~/.cache/gemma4-convert/vllm-envs). Without both
-versions the matrix is skipped with one reason, unless GEMMA4_REQUIRE_VLLM=1 (CI), which
-turns the skip into a failure.
+Where the venvs are, and what happens without them: tests/_vllm_envs.py.
 
 The unmarked tests at the end check the checker's pure mapping functions in the project venv
 (no vLLM needed).
@@ -19,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,65 +28,22 @@ from converter.io.checkpoint import read_checkpoint
 from converter.serving import ServingEnv, config_form, predict
 from converter.synthetic import fp8_quantization_config, tiny_preset, write_pair
 
+from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_envs
+
 REPO = Path(__file__).resolve().parents[1]
-CHECKER = REPO / "scripts" / "vllm027_check.py"
-PYTHONS_VAR = "GEMMA4_VLLM_PYTHONS"
-ENVS_VAR = "GEMMA4_VLLM_ENVS"
-REQUIRE_VAR = "GEMMA4_REQUIRE_VLLM"
-ENV_STAMP = ".gemma4-vllm-env-complete"
-DEFAULT_ENVS = Path.home() / ".cache" / "gemma4-convert" / "vllm-envs"
-LEGACY_TRANSFORMERS = "5.14.1"
+CHECKER = REPO / "scripts" / "vllm027" / "check.py"
+# the package whose envs the load check runs in (docs/VLLM_CHECK.md, "Which vLLM package")
+LOADER_PACKAGE = "vllm"
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 CHECK_TIMEOUT_S = 600
 
 
 # ------------------------------------------------------------------------------------ environments
 
-@dataclass(frozen=True)
-class VllmEnv:
-    python: Path
-    transformers: str
-    vllm: str
-
-
-def _version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split("+")[0].split(".") if part.isdigit())
-
-
-def _candidate_pythons() -> list[Path]:
-    listed = os.environ.get(PYTHONS_VAR, "").strip()
-    if listed:
-        return [Path(p) for p in listed.split(os.pathsep) if p]
-    root = Path(os.environ.get(ENVS_VAR) or DEFAULT_ENVS)
-    # only envs scripts/vllm_envs.sh finished (it writes the stamp last)
-    return sorted(d / "bin" / "python" for d in root.glob("vllm-*_transformers-*") if (d / ENV_STAMP).is_file())
-
-
-def _describe(python: Path) -> VllmEnv | None:
-    probe = ("from importlib.metadata import version; "
-             "print(version('transformers'), version('vllm'))")
-    try:
-        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    transformers, vllm = out.stdout.split()
-    return VllmEnv(python, transformers, vllm)
-
-
 @pytest.fixture(scope="module")
 def vllm_envs() -> dict[str, VllmEnv]:
     """{"5.14.1": env, "newest": env with the highest transformers}; skip (or fail in CI) when absent."""
-    envs = [e for e in map(_describe, _candidate_pythons()) if e is not None and e.vllm == "0.27.0"]
-    legacy = [e for e in envs if e.transformers == LEGACY_TRANSFORMERS]
-    newest = max(envs, key=lambda e: _version_key(e.transformers), default=None)
-    if not legacy or newest is None or newest.transformers == LEGACY_TRANSFORMERS:
-        found = ", ".join(f"{e.transformers}@{e.python}" for e in envs) or "none"
-        message = (f"vLLM 0.27.0 envs with transformers {LEGACY_TRANSFORMERS} and a newer 5.x not found "
-                   f"(found: {found}); build them with `make vllm-check` or scripts/vllm_envs.sh")
-        if os.environ.get(REQUIRE_VAR) == "1":
-            pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
-        pytest.skip(message)
-    return {"5.14.1": legacy[0], "newest": newest}
+    return find_envs(LOADER_PACKAGE)
 
 
 # ------------------------------------------------------------------------------------ pairs
