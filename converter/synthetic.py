@@ -714,3 +714,54 @@ def write_pair(out_dir: str | Path, *, preset: Preset | str, dialect: str = "leg
     assistant = _write_directory(out / "assistant", configs["assistant"], assistant_parts[1], num_shards=1,
                                  dtype=dtype, seed=seed + 1, quantization=None)
     return target, assistant
+
+
+# ---------------------------------------------------------------------------------------------- engine pairs
+# Pairs the real vLLM engine can run on CPU and whose greedy output says something (docs/VLLM_CHECK.md,
+# "Engine check"). vLLM's CPU attention supports head sizes 32..256 and 512 only
+# (v1/attention/backends/cpu_attn.py), so tiny_preset's 16/32 cannot run: engine_preset keeps the tiny
+# widths and layer counts but the REAL head sizes (256/512 for every preset). With N(0, 1) tied embeddings
+# the residual stream is dominated by the current token's own embedding and greedy decoding repeats the
+# last token forever, which makes every comparison trivially equal; ENGINE_SCALES shrinks the embedding
+# (the layers then dominate) and grows the final norm (logits stay O(10)). Neither tensor is touched by
+# any layout, so the converter sees the same kinds of tensors as from write_pair.
+ENGINE_SCALES = {"embed_tokens.weight": 0.002, "norm.weight": 50.0}  # target, under its text prefix
+
+
+def engine_preset(name: str = "31b") -> Preset:
+    """tiny_preset(name) with the real head_dim / global_head_dim and without MoE experts' config flag.
+
+    The factory writes no expert tensors (module docstring), so a MoE preset runs as its dense twin with the
+    same attention ratios: an engine would otherwise compute with never-loaded expert weights.
+    """
+    base = PRESETS[name]
+    return replace(tiny_preset(name), head_dim=base.head_dim, global_head_dim=base.global_head_dim, moe=False)
+
+
+def scale_for_engine(target_dir: str | Path) -> list[str]:
+    """Rescales the target's embed_tokens and final norm in place (ENGINE_SCALES); returns the names touched."""
+    from safetensors.torch import load_file
+
+    target = Path(target_dir)
+    config = json.loads((target / "config.json").read_text())
+    prefix = "model.language_model." if "text_config" in config else "model."
+    factors = {prefix + name: factor for name, factor in ENGINE_SCALES.items()}
+    touched = []
+    for shard in sorted(target.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        hit = [name for name in factors if name in tensors]
+        for name in hit:
+            tensors[name] = (tensors[name].float() * factors[name]).to(tensors[name].dtype)
+        if hit:
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+            touched += hit
+    if sorted(touched) != sorted(factors):
+        raise ValueError(f"{target}: expected tensors {sorted(factors)}, rescaled {sorted(touched)}")
+    return touched
+
+
+def write_engine_pair(out_dir: str | Path, *, preset: str = "31b", **kwargs) -> tuple[Path, Path]:
+    """write_pair with engine_preset(preset) and scale_for_engine on the target (kwargs go to write_pair)."""
+    target, assistant = write_pair(out_dir, preset=engine_preset(preset), **kwargs)
+    scale_for_engine(target)
+    return target, assistant

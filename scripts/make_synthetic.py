@@ -5,6 +5,7 @@ Examples:
   python scripts/make_synthetic.py --preset 31b --tiny --out /tmp/pair            # KB-MB sized, real ratios
   python scripts/make_synthetic.py --preset 31b --role assistant --out /tmp/a     # full-size 31B assistant (0.94 GB)
   python scripts/make_synthetic.py --preset 31b --num-layers 6 --role target --out /tmp/t --num-shards 2
+  python scripts/make_synthetic.py --preset 31b --engine --out /tmp/pair          # runs in the vLLM CPU engine
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from converter.synthetic import (PRESETS, fp8_quantization_config, modelopt_nvfp4_config, scaled_preset,  # noqa: E402
-                                 tiny_preset, write_checkpoint, write_pair)
+from converter.synthetic import (PRESETS, engine_preset, fp8_quantization_config, modelopt_nvfp4_config,  # noqa: E402
+                                 scale_for_engine, scaled_preset, tiny_preset, write_checkpoint, write_pair)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -29,6 +30,9 @@ def main() -> None:
     parser.add_argument("--role", choices=["pair", "target", "assistant"], default="pair")
     parser.add_argument("--out", required=True, type=Path, help="directory to write (pair: OUT/target, OUT/assistant)")
     parser.add_argument("--tiny", action="store_true", help="test size: widths / 16, one or two layer periods")
+    parser.add_argument("--engine", action="store_true",
+                        help="for the vLLM CPU engine (serve_check): --tiny with the real head sizes 256/512, "
+                             "target embed_tokens x0.002 and final norm x50 so greedy output varies")
     parser.add_argument("--width-divisor", type=int, default=1)
     parser.add_argument("--num-layers", type=int, default=None, help="target decoder layers (default: real count)")
     parser.add_argument("--vocab-size", type=int, default=None)
@@ -50,7 +54,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.out.exists() and any(args.out.iterdir()):
         parser.error(f"{args.out} exists and is not empty")
-    preset = tiny_preset(args.preset) if args.tiny else scaled_preset(
+    if args.engine and args.fp8:
+        parser.error("--engine writes plain weights; drop --fp8")
+    preset = engine_preset(args.preset) if args.engine else tiny_preset(args.preset) if args.tiny else scaled_preset(
         args.preset, width_divisor=args.width_divisor, num_layers=args.num_layers, vocab_size=args.vocab_size)
     common = dict(preset=preset, dialect=args.dialect, dtype=DTYPES[args.dtype], seed=args.seed,
                   saved_by=args.saved_by)
@@ -66,6 +72,8 @@ def main() -> None:
                                   multimodal=not args.text_only, quantization=quantization, **common),)
     else:
         paths = (write_checkpoint(args.out, role="assistant", num_shards=args.num_shards, **common),)
+    if args.engine and args.role != "assistant":
+        scale_for_engine(paths[0])
     for path in paths:
         print(path)
 

@@ -16,7 +16,7 @@ import pytest
 
 from converter.io.checkpoint import read_checkpoint
 from converter.report import inspect_checkpoint
-from converter.serving import ServingEnv, predict, version_key
+from converter.serving import ServingEnv, predict
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
@@ -54,8 +54,8 @@ L, F = "loads", "fails"
 # form -> outcome per ENVS column, in order (docs/VLLM_CHECK.md)
 OUTCOMES = {
     "legacy": (L, F, F, L, L),  # the Hub checkpoints: serve as they are on transformers<5.15 or vLLM 0.28
-    "per_layer_config": (F, F, F, L, L),
-    "both": (F, F, F, L, L),
+    "per_layer_config": (F, F, F, F, L),  # transformers 5.14's own AutoConfig rejects per_layer_config
+    "both": (F, F, F, F, L),
     "per-layer": (L, L, L, L, L),  # zero cost, every tested environment
     "flat-keys-only": (L, F, F, L, L),
     "pad-global": (L, L, L, L, L),
@@ -76,7 +76,7 @@ def test_prediction_and_recommendation_per_environment(forms, form):
         assert rec["environment"]["tested"] is True
         assert rec["layout"] == layout, (form, env_name, rec["why"])
         assert rec["no_conversion_needed"] == (outcome == L), (form, env_name)
-        if outcome == F and version_key(env.vllm) < (0, 28):
+        if outcome == F:
             assert rec["environment"]["outcome"]["error"] == AMBIGUOUS
         if layout == "per-layer":  # zero cost first; pad-global only as the fallback where the dual keys stop working
             assert rec["alternative"]["layout"] == "pad-global" and "only where per-layer cannot serve" in \

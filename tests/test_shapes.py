@@ -19,7 +19,7 @@ from conftest import load_tensors, read_config, text_config
 from converter.gemma4 import FULL, read_spec
 from converter.synthetic import (assistant_config, modelopt_nvfp4_config, scaled_preset, target_config, tiny_preset,
                                  write_pair)
-from test_vllm027 import vllm_envs  # noqa: F401  (fixture: the cached vLLM envs, skip or fail as that module does)
+from _vllm_envs import find_env
 
 PRESET_NAMES = ("31b", "26b-a4b", "e2b", "e4b")
 LAYERS = 12
@@ -121,10 +121,10 @@ def test_resaved_pair_converts_exactly_like_the_published_one(sources, run_cli, 
 
 
 @pytest.mark.parametrize("env_name", ["5.14.1", "newest"])
-def test_every_transformers_version_in_the_env_matrix(vllm_envs, sources, run_cli, tmp_path, env_name):  # noqa: F811
+def test_every_transformers_version_in_the_env_matrix(sources, run_cli, tmp_path, env_name):
     """Configs re-saved by the vLLM envs' transformers: 5.14.1 keeps the legacy keys, >= 5.15 writes
     per_layer_config; either converts like the published file."""
-    env = vllm_envs[env_name]
+    env = find_env("vllm", "0.27.0", env_name)  # any env's python carries one transformers release
     dialect = "legacy" if env.transformers == "5.14.1" else "per_layer_config"
     for name in PRESET_NAMES:
         saved = tmp_path / name / "saved"

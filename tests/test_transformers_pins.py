@@ -9,8 +9,8 @@ scripts/vllm027/transformers_probe.py runs in a python that has exactly that ver
 gives vLLM, transformers' own per-layer geometry, and the attention shapes of transformers' Gemma 4 model classes
 built on the meta device. A release that changes any of it fails here, never silently at a user's.
 
-Pythons: every vLLM env found the way tests/test_vllm027.py finds them (GEMMA4_VLLM_PYTHONS, else the env cache);
-one per transformers version is enough. A missing version skips with one line, or fails under
+Pythons: every vLLM env tests/_vllm_envs.py finds (GEMMA4_VLLM_PYTHONS, else the env cache); one per transformers
+version is enough. A missing version skips with one line, or fails under
 GEMMA4_REQUIRE_VLLM=1 (CI).
 """
 
@@ -26,7 +26,8 @@ import pytest
 from converter.gemma4 import read_spec
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.synthetic import tiny_preset, write_pair
-from test_vllm027 import AMBIGUOUS, REQUIRE_VAR, VllmEnv, _candidate_pythons, _describe, _version_key
+from _vllm_envs import REQUIRE_VAR, VllmEnv, _all_envs, _version_key
+from converter.serving import AMBIGUOUS
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "scripts" / "vllm027" / "transformers_probe.py"
@@ -42,7 +43,7 @@ PROBE_TIMEOUT_S = 300
 def transformers_pythons() -> dict[str, VllmEnv]:
     """MATRIX name -> one env with that transformers; skip (CI: fail) naming what is missing."""
     envs: dict[str, VllmEnv] = {}
-    for env in filter(None, map(_describe, _candidate_pythons())):
+    for env in _all_envs():  # any vLLM package and version: the probe needs only torch and transformers
         envs.setdefault(env.transformers, env)
     newest = max(envs, key=_version_key, default=None)
     found = {name: envs.get(newest if name == "newest" else name) for name in MATRIX}

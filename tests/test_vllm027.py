@@ -1,15 +1,12 @@
 """Converted outputs against the REAL stock vLLM 0.27.0 loader, on CPU (docs/VLLM_CHECK.md).
 
 The matrix tests (marker ``vllm027``) write tiny synthetic pairs, convert them with the
-`gemma4-convert` CLI, and run scripts/vllm027_check.py as a subprocess inside each vLLM venv
-(scripts/vllm_envs.sh): one with transformers 5.14.1, one with the newest 5.x. They assert on
+`gemma4-convert` CLI, and run scripts/vllm027/check.py as a subprocess inside each vLLM venv
+(scripts/vllm027/envs.sh, package `vllm`): one with transformers 5.14.1, one with the newest 5.x. They assert on
 the checker's --json result: which stage failed and with which exception, or that every loaded
 tensor matched and the KV-sharing geometry is consistent.
 
-Where the venvs are: GEMMA4_VLLM_PYTHONS (python paths separated by os.pathsep), else every
-env under GEMMA4_VLLM_ENVS (default ~/.cache/gemma4-convert/vllm-envs). Without both
-versions the matrix is skipped with one reason, unless GEMMA4_REQUIRE_VLLM=1 (CI), which
-turns the skip into a failure.
+Where the venvs are, and what happens without them: tests/_vllm_envs.py.
 
 The unmarked tests at the end check the checker's pure mapping functions in the project venv
 (no vLLM needed).
@@ -19,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,65 +28,21 @@ from converter.io.checkpoint import read_checkpoint
 from converter.serving import ServingEnv, config_form, predict
 from converter.synthetic import fp8_quantization_config, tiny_preset, write_pair
 
+from _vllm_envs import VllmEnv, find_env
+
 REPO = Path(__file__).resolve().parents[1]
-CHECKER = REPO / "scripts" / "vllm027_check.py"
-PYTHONS_VAR = "GEMMA4_VLLM_PYTHONS"
-ENVS_VAR = "GEMMA4_VLLM_ENVS"
-REQUIRE_VAR = "GEMMA4_REQUIRE_VLLM"
-ENV_STAMP = ".gemma4-vllm-env-complete"
-DEFAULT_ENVS = Path.home() / ".cache" / "gemma4-convert" / "vllm-envs"
-LEGACY_TRANSFORMERS = "5.14.1"
+CHECKER = REPO / "scripts" / "vllm027" / "check.py"
+# the package whose envs the load check runs in (docs/VLLM_CHECK.md, "Which vLLM package")
+LOADER_PACKAGE = "vllm"
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 CHECK_TIMEOUT_S = 600
 
 
 # ------------------------------------------------------------------------------------ environments
 
-@dataclass(frozen=True)
-class VllmEnv:
-    python: Path
-    transformers: str
-    vllm: str
-
-
-def _version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split("+")[0].split(".") if part.isdigit())
-
-
-def _candidate_pythons() -> list[Path]:
-    listed = os.environ.get(PYTHONS_VAR, "").strip()
-    if listed:
-        return [Path(p) for p in listed.split(os.pathsep) if p]
-    root = Path(os.environ.get(ENVS_VAR) or DEFAULT_ENVS)
-    # only envs scripts/vllm_envs.sh finished (it writes the stamp last)
-    return sorted(d / "bin" / "python" for d in root.glob("vllm-*_transformers-*") if (d / ENV_STAMP).is_file())
-
-
-def _describe(python: Path) -> VllmEnv | None:
-    probe = ("from importlib.metadata import version; "
-             "print(version('transformers'), version('vllm'))")
-    try:
-        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    transformers, vllm = out.stdout.split()
-    return VllmEnv(python, transformers, vllm)
-
-
-@pytest.fixture(scope="module")
-def vllm_envs() -> dict[str, VllmEnv]:
-    """{"5.14.1": env, "newest": env with the highest transformers}; skip (or fail in CI) when absent."""
-    envs = [e for e in map(_describe, _candidate_pythons()) if e is not None and e.vllm == "0.27.0"]
-    legacy = [e for e in envs if e.transformers == LEGACY_TRANSFORMERS]
-    newest = max(envs, key=lambda e: _version_key(e.transformers), default=None)
-    if not legacy or newest is None or newest.transformers == LEGACY_TRANSFORMERS:
-        found = ", ".join(f"{e.transformers}@{e.python}" for e in envs) or "none"
-        message = (f"vLLM 0.27.0 envs with transformers {LEGACY_TRANSFORMERS} and a newer 5.x not found "
-                   f"(found: {found}); build them with `make vllm-check` or scripts/vllm_envs.sh")
-        if os.environ.get(REQUIRE_VAR) == "1":
-            pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
-        pytest.skip(message)
-    return {"5.14.1": legacy[0], "newest": newest}
+def loader_env(vllm: str, transformers: str) -> VllmEnv:
+    """The `vllm` env for one row; a missing one skips that row (fails it in CI)."""
+    return find_env(LOADER_PACKAGE, vllm, transformers)
 
 
 # ------------------------------------------------------------------------------------ pairs
@@ -126,6 +78,9 @@ SOURCES = {
 }
 VARIANTS = ("original", "per-layer", "pad-global")
 FP8_BLOCK = (8, 8)
+FLAT_KEYS_ONLY = "per-layer-flat-keys-only"  # per-layer --flat-keys-only (the bare flat keys)
+CONVERSIONS = {"per-layer": ("per-layer",), FLAT_KEYS_ONLY: ("per-layer", "--flat-keys-only"),
+               "pad-global": ("pad-global",)}
 
 
 def cpu_has_amx() -> bool:
@@ -134,7 +89,6 @@ def cpu_has_amx() -> bool:
         return "amx_tile" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-ENV_NAMES = ("5.14.1", "newest")
 
 
 def _convert_cli() -> list[str]:
@@ -153,15 +107,17 @@ def pairs(tmp_path_factory) -> dict[tuple[str, str], Path]:
                    num_shards=src.num_shards, unified=src.unified,
                    quantization=fp8_quantization_config(src.fp8, block=FP8_BLOCK) if src.fp8 else None)
         out[(name, "original")] = original
-        for layout in ("per-layer", "pad-global"):
-            dst = root / name / layout
+        for variant, (layout, *options) in CONVERSIONS.items():
+            if variant == FLAT_KEYS_ONLY and name != "31b-mm-2shards":
+                continue  # the bare flat keys are the legacy source's keys: one source shows them
+            dst = root / name / variant
             proc = subprocess.run(
                 [*_convert_cli(), "convert", "--target", str(original / "target"),
-                 "--assistant", str(original / "assistant"), "--out", str(dst), "--layout", layout],
+                 "--assistant", str(original / "assistant"), "--out", str(dst), "--layout", layout, *options],
                 capture_output=True, text=True, timeout=600,
             )
             assert proc.returncode == 0, f"convert {name} --layout {layout}: {proc.stderr.strip()}"
-            out[(name, layout)] = dst
+            out[(name, variant)] = dst
     return out
 
 
@@ -232,7 +188,21 @@ def assert_kv_sharing_consistent(result: dict, source: Source) -> None:
 # Negative control: a pad-global target beside the ORIGINAL assistant loads and every tensor
 # matches, but the draft's head sizes differ from the target layers whose KV cache they read.
 MIXED = "pad-global target + original assistant"
-ROWS = [(s, v, e) for s in SOURCES for v in VARIANTS for e in ENV_NAMES] + [("31b-mm-2shards", MIXED, "5.14.1")]
+# Rows are chosen for the CI budget (~20 s each, docs/VLLM_CHECK.md "The test matrix"): the full source x layout
+# grid where users are today (vLLM 0.27.0 under transformers 5.14.1 and the newest); the zero-cost per-layer layout
+# and its control at the transformers boundary (5.15.0) and in between (5.19.0); every layout once on 0.27.1 (its
+# Gemma 4 files are byte-identical to 0.27.0) and on 0.28.0, which reads per-layer configs itself, under both
+# transformers generations, plus the per_layer_config source there and the KV-shared E2B pair.
+ROWS = ([(s, v, "0.27.0", t) for s in SOURCES for v in VARIANTS for t in ("5.14.1", "newest")]
+        + [("31b-mm-2shards", FLAT_KEYS_ONLY, "0.27.0", t) for t in ("5.14.1", "newest")]
+        + [("31b-mm-2shards", MIXED, "0.27.0", "5.14.1")]
+        + [(s, v, "0.27.0", t) for t in ("5.15.0", "5.19.0")
+           for s, v in (("31b-mm-2shards", "original"), ("31b-mm-2shards", "per-layer"),
+                        ("31b-per-layer-config", "per-layer"))]
+        + [("31b-mm-2shards", v, "0.27.1", "newest") for v in VARIANTS]
+        + [(s, v, "0.28.0", t) for t in ("5.14.1", "newest")
+           for s, v in [("31b-mm-2shards", v) for v in VARIANTS]
+           + [("31b-per-layer-config", "original"), ("e2b", "per-layer")]])
 
 
 def _pair_dir(pairs: dict, tmp_path: Path, source_name: str, variant: str) -> Path:
@@ -246,12 +216,13 @@ def _pair_dir(pairs: dict, tmp_path: Path, source_name: str, variant: str) -> Pa
 
 
 @pytest.mark.vllm027
-@pytest.mark.parametrize(("source_name", "variant", "env_name"), ROWS, ids=lambda v: v.replace(" ", ""))
-def test_stock_vllm_027_load(vllm_envs, pairs, tmp_path, source_name, variant, env_name):
-    source, env = SOURCES[source_name], vllm_envs[env_name]
+@pytest.mark.parametrize(("source_name", "variant", "vllm", "transformers"), ROWS,
+                         ids=lambda v: v.replace(" ", ""))
+def test_stock_vllm_load(pairs, tmp_path, source_name, variant, vllm, transformers):
+    source, env = SOURCES[source_name], loader_env(vllm, transformers)
     pair = _pair_dir(pairs, tmp_path, source_name, variant)
     code, result, output = run_checker(env, pair, tmp_path / "result.json")
-    assert result["versions"]["vllm"] == "0.27.0"
+    assert result["versions"]["vllm"] == vllm
     assert result["versions"]["transformers"] == env.transformers
 
     if variant == MIXED:

