@@ -306,53 +306,61 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
 
 
-def judge_fp32(pair: str, env: str, run: dict, ref_a: dict, noise: float) -> Verdict:
-    tolerance = fp32_tolerance(noise)
-    v = Verdict(pair, env, "float32", False, tolerance=tolerance)
-    v.tokens_identical = all(run["tokens"][m][i] == ref_a["tokens"][m][i] for m, i in modes_prompts(run))
-    bad = total = 0
-    worst = 0.0
-    for mode, i in modes_prompts(run):
-        j = first_mismatch(run["tokens"][mode][i], ref_a["tokens"][mode][i])
-        worst = max(worst, max_delta(run["logprobs"][mode][i], ref_a["logprobs"][mode][i], j))
-        b, t = draft_mismatches(ref_a, run, mode, i, j)
-        bad, total = bad + b, total + t
-        if j is not None:
-            v.reasons.append(f"{mode} prompt {i}: token {j} differs")
-    v.max_delta, v.drafts_identical, v.draft_mismatch = worst, bad == 0 and total > 0, f"{bad}/{total}"
-    if total == 0:
-        v.reasons.append("no draft proposals were logged")
-    elif bad:
-        v.reasons.append(f"{bad} of {total} draft tokens differ")
-    if worst > tolerance:
-        v.reasons.append(f"max |delta logprob| {worst:.2e} > {NOISE_FACTOR:g} x run-to-run noise {noise:.2e}")
-    v.passed = v.tokens_identical and v.drafts_identical and worst <= tolerance
-    return v
+@dataclass(frozen=True)
+class Comparison:
+    """One run against its reference, every prompt in both passes."""
+
+    splits: list[tuple[str, int, int]]  # (mode, prompt, first differing token)
+    worst: float  # max |delta logprob| up to each prompt's split
+    bad_drafts: int
+    drafts: int
 
 
-def judge_bf16(pair: str, env: str, run: dict, ref: dict, deviation: float) -> Verdict:
-    v = Verdict(pair, env, "bfloat16", False, tolerance=deviation)
-    v.tokens_identical = all(run["tokens"][m][i] == ref["tokens"][m][i] for m, i in modes_prompts(run))
-    bad = total = 0
-    worst = 0.0
+def compare_runs(run: dict, ref: dict) -> Comparison:
+    splits, worst, bad, total = [], 0.0, 0, 0
     for mode, i in modes_prompts(run):
         j = first_mismatch(run["tokens"][mode][i], ref["tokens"][mode][i])
         worst = max(worst, max_delta(run["logprobs"][mode][i], ref["logprobs"][mode][i], j))
         b, t = draft_mismatches(ref, run, mode, i, j)
         bad, total = bad + b, total + t
         if j is not None:
-            steps = ref["logprobs"][mode][i]
-            margin = top2_margin(steps[j]) if j < len(steps) else float("inf")
-            if margin > deviation:
-                v.reasons.append(f"{mode} prompt {i}: token {j} differs where the original's top-2 margin "
-                                 f"{margin:.3f} exceeds its bf16-vs-fp32 deviation {deviation:.3f}")
-    v.max_delta, v.drafts_identical, v.draft_mismatch = worst, bad == 0 and total > 0, f"{bad}/{total}"
-    if total == 0:
+            splits.append((mode, i, j))
+    return Comparison(splits, worst, bad, total)
+
+
+def _verdict(pair: str, env: str, dtype: str, c: Comparison, tolerance: float) -> Verdict:
+    v = Verdict(pair, env, dtype, False, tokens_identical=not c.splits, drafts_identical=c.bad_drafts == 0 < c.drafts,
+                draft_mismatch=f"{c.bad_drafts}/{c.drafts}", max_delta=c.worst, tolerance=tolerance)
+    if c.drafts == 0:
         v.reasons.append("no draft proposals were logged")
-    elif bad > DRAFT_TOLERANCE_BF16 * total:
-        v.reasons.append(f"{bad} of {total} draft tokens differ (> {DRAFT_TOLERANCE_BF16:.0%})")
-    if worst > deviation:
-        v.reasons.append(f"max |delta logprob| {worst:.3f} > the original's bf16-vs-fp32 deviation {deviation:.3f}")
+    return v
+
+
+def judge_fp32(pair: str, env: str, run: dict, ref_a: dict, noise: float) -> Verdict:
+    c, tolerance = compare_runs(run, ref_a), fp32_tolerance(noise)
+    v = _verdict(pair, env, "float32", c, tolerance)
+    v.reasons += [f"{mode} prompt {i}: token {j} differs" for mode, i, j in c.splits]
+    if c.bad_drafts:
+        v.reasons.append(f"{c.bad_drafts} of {c.drafts} draft tokens differ")
+    if c.worst > tolerance:
+        v.reasons.append(f"max |delta logprob| {c.worst:.2e} > {NOISE_FACTOR:g} x run-to-run noise {noise:.2e}")
+    v.passed = not v.reasons
+    return v
+
+
+def judge_bf16(pair: str, env: str, run: dict, ref: dict, deviation: float) -> Verdict:
+    c = compare_runs(run, ref)
+    v = _verdict(pair, env, "bfloat16", c, deviation)
+    for mode, i, j in c.splits:
+        steps = ref["logprobs"][mode][i]
+        margin = top2_margin(steps[j]) if j < len(steps) else float("inf")
+        if margin > deviation:
+            v.reasons.append(f"{mode} prompt {i}: token {j} differs where the original's top-2 margin "
+                             f"{margin:.3f} exceeds its bf16-vs-fp32 deviation {deviation:.3f}")
+    if c.bad_drafts > DRAFT_TOLERANCE_BF16 * c.drafts:
+        v.reasons.append(f"{c.bad_drafts} of {c.drafts} draft tokens differ (> {DRAFT_TOLERANCE_BF16:.0%})")
+    if c.worst > deviation:
+        v.reasons.append(f"max |delta logprob| {c.worst:.3f} > the original's bf16-vs-fp32 deviation {deviation:.3f}")
     v.passed = not v.reasons
     return v
 
