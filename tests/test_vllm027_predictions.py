@@ -1,5 +1,5 @@
 """Issue 16: `inspect`'s vLLM 0.27 prediction for a checkpoint whose config contradicts its tensors, checked against
-what the stock vLLM 0.27.0 loader really does (scripts/vllm027_check.py inside the transformers 5.14.1 env).
+what the stock vLLM 0.27.0 loader really does (scripts/vllm027/check.py inside the transformers 5.14.1 env).
 
 Each row breaks one config key of a tiny synthetic pair, asks `gemma4-convert inspect --json` what vLLM will do
 (inspect must exit 3: it reports problems), then loads the pair with the real loader:
@@ -11,7 +11,6 @@ Each row breaks one config key of a tiny synthetic pair, asks `gemma4-convert in
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,21 +19,16 @@ from pathlib import Path
 import pytest
 
 from converter.synthetic import tiny_preset, write_pair
-from test_vllm027 import LEGACY_TRANSFORMERS, REQUIRE_VAR, _candidate_pythons, _describe, run_checker
+from _vllm_envs import LEGACY_TRANSFORMERS, find_env
+from test_vllm027 import LOADER_PACKAGE, run_checker
 
 pytestmark = pytest.mark.vllm027
 
 
 @pytest.fixture(scope="module")
 def legacy_env():
-    envs = [e for e in map(_describe, _candidate_pythons()) if e is not None and e.vllm == "0.27.0"
-            and e.transformers == LEGACY_TRANSFORMERS]
-    if not envs:
-        message = f"no vLLM 0.27.0 env with transformers {LEGACY_TRANSFORMERS}; build it with `make vllm-envs`"
-        if os.environ.get(REQUIRE_VAR) == "1":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    return envs[0]
+    """The loader env with transformers 5.14.1 (skipped, or failed under GEMMA4_REQUIRE_VLLM=1, when absent)."""
+    return find_env(LOADER_PACKAGE, "0.27.0", LEGACY_TRANSFORMERS)
 
 
 @pytest.fixture(scope="module")
