@@ -65,7 +65,22 @@ def _tensor(checkpoint: Checkpoint, name: str, device: torch.device) -> torch.Te
     return _load(SourceSlice.whole(ref), device)
 
 
-class OnDemandWeights(Mapping):
+class _View(Mapping):
+    """A read-through Mapping over the names of `_source`; subclasses say what looking one up returns."""
+
+    _source: Mapping
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._source
+
+    def __iter__(self):
+        return iter(self._source)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+
+class OnDemandWeights(_View):
     """A checkpoint's tensors, each read from disk and cast when looked up and dropped when its block is done.
 
     The assistant runs three times (truth, floor, converted); holding all its weights in the truth dtype would be
@@ -75,24 +90,15 @@ class OnDemandWeights(Mapping):
     """
 
     def __init__(self, checkpoint: Checkpoint, *, device: torch.device, dtype: torch.dtype):
-        self._refs, self._device, self._dtype = checkpoint.tensors, device, dtype
+        self._source, self._device, self._dtype = checkpoint.tensors, device, dtype
 
     def __getitem__(self, name: str) -> torch.Tensor | RowBlocks:
-        ref = self._refs[name]
+        ref = self._source[name]
         if ref.dtype in ("I64", "I32"):
             return _load(SourceSlice.whole(ref), self._device)
         if name.endswith(VOCAB_TABLES) and len(ref.shape) == 2:
             return RowBlocks(ref, device=self._device, dtype=self._dtype)
         return _load(SourceSlice.whole(ref), self._device).to(self._dtype)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._refs
-
-    def __iter__(self):
-        return iter(self._refs)
-
-    def __len__(self) -> int:
-        return len(self._refs)
 
 
 VOCAB_TABLES = ("embed_tokens.weight", "lm_head.weight")
@@ -113,23 +119,14 @@ class RowBlocks:
         return _load(SourceSlice.whole(self.ref), self._device).to(self._dtype)
 
 
-class _Cast(Mapping):
+class _Cast(_View):
     """Weights cast to a dtype when looked up: one fp32/fp64 copy of one weight exists at a time, not of all."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype):
-        self._weights, self._dtype = weights, dtype
+        self._source, self._dtype = weights, dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._weights[name].to(self._dtype)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._weights
-
-    def __iter__(self):
-        return iter(self._weights)
-
-    def __len__(self) -> int:
-        return len(self._weights)
+        return self._source[name].to(self._dtype)
 
 
 def _run_block(hidden: torch.Tensor, weights: dict[str, torch.Tensor], layer: LayerSpec, dtype: torch.dtype,
