@@ -76,7 +76,22 @@ def _tensor(checkpoint: Checkpoint, name: str, device: torch.device) -> torch.Te
     return _load(SourceSlice.whole(ref), device)
 
 
-class OnDemandWeights(Mapping):
+class _View(Mapping):
+    """A read-through Mapping over the names of `_source`; subclasses say what looking one up returns."""
+
+    _source: Mapping
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._source
+
+    def __iter__(self):
+        return iter(self._source)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+
+class OnDemandWeights(_View):
     """A checkpoint's tensors, each read from disk and cast when looked up and dropped when its block is done.
 
     The assistant runs three times (truth, floor, converted); holding all its weights in the truth dtype would be
@@ -86,24 +101,15 @@ class OnDemandWeights(Mapping):
     """
 
     def __init__(self, checkpoint: Checkpoint, *, device: torch.device, dtype: torch.dtype):
-        self._refs, self._device, self._dtype = checkpoint.tensors, device, dtype
+        self._source, self._device, self._dtype = checkpoint.tensors, device, dtype
 
     def __getitem__(self, name: str) -> torch.Tensor | RowBlocks:
-        ref = self._refs[name]
+        ref = self._source[name]
         if ref.dtype in ("I64", "I32"):
             return _load(SourceSlice.whole(ref), self._device)
         if name.endswith(VOCAB_TABLES) and len(ref.shape) == 2:
             return RowBlocks(ref, device=self._device, dtype=self._dtype)
         return _load(SourceSlice.whole(ref), self._device).to(self._dtype)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._refs
-
-    def __iter__(self):
-        return iter(self._refs)
-
-    def __len__(self) -> int:
-        return len(self._refs)
 
 
 VOCAB_TABLES = ("embed_tokens.weight", "lm_head.weight")
@@ -124,13 +130,22 @@ class RowBlocks:
         return _load(SourceSlice.whole(self.ref), self._device).to(self._dtype)
 
 
+class _Cast(_View):
+    """Weights cast to a dtype when looked up: one fp32/fp64 copy of one weight exists at a time, not of all."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype):
+        self._source, self._dtype = weights, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._source[name].to(self._dtype)
+
+
 def _run_block(hidden: torch.Tensor, weights: dict[str, torch.Tensor], layer: LayerSpec, dtype: torch.dtype,
                kv: tuple[torch.Tensor, torch.Tensor] | None) -> AttentionOutput:
-    cast = {name: w.to(dtype) for name, w in weights.items()}
-    return attention_block(hidden.to(dtype), cast, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-                           head_dim=layer.head_dim, k_eq_v=layer.k_eq_v, rope_theta=layer.rope_theta,
-                           partial_rotary_factor=layer.partial_rotary_factor, rope_factor=layer.rope_factor,
-                           sliding_window=layer.sliding_window, eps=layer.eps,
+    return attention_block(hidden.to(dtype), _Cast(weights, dtype), num_heads=layer.num_heads,
+                           num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, k_eq_v=layer.k_eq_v,
+                           rope_theta=layer.rope_theta, partial_rotary_factor=layer.partial_rotary_factor,
+                           rope_factor=layer.rope_factor, sliding_window=layer.sliding_window, eps=layer.eps,
                            kv=None if kv is None else (kv[0].to(dtype), kv[1].to(dtype)))
 
 
@@ -173,19 +188,21 @@ def check_target_layers(source: Checkpoint, output: Checkpoint, *, device: torch
         raw = torch.randn(BATCH, seq_len, original.hidden_size, generator=generator).to(device)
         norm = _tensor(source, f"{prefix}layers.{index}.input_layernorm.weight", device)
         hidden = rms_norm(raw, norm.float(), eps=original.eps)
-        weights = layer_attention_weights(source, index, device)
-        converted_weights = layer_attention_weights(output, index, device)
         shared = before.layer_type if before.kv_shared else None
-        runs = {run: _run_block(hidden, converted_weights if run == "converted" else weights,
-                                after if run == "converted" else before, dtypes[run],
-                                kv_runs[run].get(shared) if shared else None) for run in RUNS}
+        runs = {}
+        for checkpoint, names in ((source, ("truth", "floor")), (output, ("converted",))):
+            weights = layer_attention_weights(checkpoint, index, device)  # one side's layer in memory at a time
+            for run in names:
+                runs[run] = _run_block(hidden, weights, after if run == "converted" else before, dtypes[run],
+                                       kv_runs[run].get(shared) if shared else None)
+            del weights
         if not before.kv_shared:
             for run, result in runs.items():
                 kv_runs[run][before.layer_type] = (result.key, result.value)
         name = f"target layer {index} ({before.layer_type})"
         checks.append(judge(name, runs["truth"].out, runs["floor"].out, runs["converted"].out, factor))
         on_layer(name)
-        del weights, converted_weights, runs
+        del runs
     return checks, kv_runs
 
 

@@ -183,10 +183,18 @@ def _evict(path: Path, start: int = 0, length: int = 0) -> None:
         os.close(fd)
 
 
+@pytest.mark.parametrize("copier", ["kernel", "buffers"])
 @pytest.mark.parametrize("evict", ["none", "all", "middle"])
 @pytest.mark.parametrize("size", [0, 1, 4096, 50_001])
-def test_copy_file_is_exact_and_hashed_once_whatever_is_cached(tmp_path, small_blocks, evict, size):
-    """Cached pages are read from the page cache, the rest with O_DIRECT from the next block boundary."""
+def test_copy_file_is_exact_and_hashed_once_whatever_is_cached(tmp_path, small_blocks, monkeypatch, copier, evict,
+                                                                size):
+    """copy_file_range where the kernel has it (else through buffers: cached pages read from the page cache, the
+    rest with O_DIRECT from the next block boundary); either way one sha256 of the source."""
+    monkeypatch.setattr(writer, "COPY_RANGE_BYTES", 8192)
+    if copier == "buffers":
+        def no_copy_range(*args):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        monkeypatch.setattr(writer.os, "copy_file_range", no_copy_range)
     path, data = _payload(tmp_path, size=size)
     if evict != "none":
         _evict(path, *((8192 + 100, 20_000) if evict == "middle" else ()))
