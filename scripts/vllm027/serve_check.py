@@ -532,6 +532,15 @@ CPU_SERVE_FLAGS = ("--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-ea
 
 
 def serve_http(env: Env, command_line: str, prompt: list[int], want: list[int], workdir: Path) -> dict[str, Any]:
+    """Holds the machine-wide engine lock (so the start-up timeout counts the server only), then _serve_http."""
+    import fcntl
+
+    with open(ENGINE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes; the server does not inherit it
+        return _serve_http(env, command_line, prompt, want, workdir)
+
+
+def _serve_http(env: Env, command_line: str, prompt: list[int], want: list[int], workdir: Path) -> dict[str, Any]:
     """Runs `vllm serve ...` as printed, sends one completion with token ids, stops the server."""
     import urllib.error
     import urllib.request
@@ -550,8 +559,7 @@ def serve_http(env: Env, command_line: str, prompt: list[int], want: list[int], 
     t0 = time.monotonic()
     with log_path.open("w") as log:
         # own process group: the API server spawns EngineCore + worker, all stopped together below
-        proc = subprocess.Popen(["flock", ENGINE_LOCK, *full], stdout=log, stderr=subprocess.STDOUT, env=environ,
-                                start_new_session=True)
+        proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
         while True:
