@@ -66,11 +66,8 @@ def find_envs(package: str, vllm: str = "0.27.0") -> dict[str, VllmEnv]:
     newest = max(envs, key=lambda e: _version_key(e.transformers), default=None)
     if not legacy or newest is None or newest.transformers == LEGACY_TRANSFORMERS:
         found = ", ".join(f"{e.transformers}@{e.python}" for e in envs) or "none"
-        message = (f"{package} {vllm} envs with transformers {LEGACY_TRANSFORMERS} and a newer 5.x not found "
-                   f"(found: {found}); build them with `make vllm-envs` or scripts/vllm027/envs.sh")
-        if os.environ.get(REQUIRE_VAR) == "1":
-            pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
-        pytest.skip(message)
+        missing_env(f"{package} {vllm} envs with transformers {LEGACY_TRANSFORMERS} and a newer 5.x not found "
+                    f"(found: {found}); build them with `make vllm-envs` or scripts/vllm027/envs.sh")
     return {LEGACY_TRANSFORMERS: legacy[0], "newest": newest}
 
 
@@ -90,9 +87,13 @@ def find_env(package: str, vllm: str, transformers: str) -> VllmEnv:
         found = next((e for e in envs if e.transformers == transformers), None)
     if found is None:
         have = ", ".join(f"{e.transformers}@{e.python}" for e in envs) or "none"
-        message = (f"no {package} {vllm} env with transformers {transformers} (found: {have}); build it with "
-                   f"`bash scripts/vllm027/envs.sh {package}:{vllm}:{transformers}` or `make vllm-envs`")
-        if os.environ.get(REQUIRE_VAR) == "1":
-            pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
-        pytest.skip(message)
+        missing_env(f"no {package} {vllm} env with transformers {transformers} (found: {have}); build it with "
+                    f"`bash scripts/vllm027/envs.sh {package}:{vllm}:{transformers}` or `make vllm-envs`")
     return found
+
+
+def missing_env(message: str) -> None:
+    """Skip with one line, or fail the test under GEMMA4_REQUIRE_VLLM=1 (CI)."""
+    if os.environ.get(REQUIRE_VAR) == "1":
+        pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
+    pytest.skip(message)

@@ -17,7 +17,6 @@ GEMMA4_REQUIRE_VLLM=1 (CI).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 from converter.gemma4 import read_spec
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.synthetic import tiny_preset, write_pair
-from _vllm_envs import REQUIRE_VAR, VllmEnv, _all_envs, _version_key
+from _vllm_envs import VllmEnv, _all_envs, _version_key, missing_env
 from converter.serving import AMBIGUOUS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,11 +48,8 @@ def transformers_pythons() -> dict[str, VllmEnv]:
     found = {name: envs.get(newest if name == "newest" else name) for name in MATRIX}
     missing = [name for name, env in found.items() if env is None]
     if missing or newest in {"5.14.1", "5.15.0", "5.19.0"}:
-        message = (f"transformers {', '.join(missing) or 'newer than 5.19.0'} not found among the vLLM envs "
-                   f"(found: {', '.join(sorted(envs, key=_version_key)) or 'none'}); build them with scripts/vllm027")
-        if os.environ.get(REQUIRE_VAR) == "1":
-            pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
-        pytest.skip(message)
+        missing_env(f"transformers {', '.join(missing) or 'newer than 5.19.0'} not found among the vLLM envs "
+                    f"(found: {', '.join(sorted(envs, key=_version_key)) or 'none'}); build them with scripts/vllm027")
     return found  # type: ignore[return-value]
 
 
