@@ -31,7 +31,6 @@ pytestmark = pytest.mark.engine027
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_CHECK = REPO / "scripts" / "vllm027" / "serve_check.py"
-AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed command is the one served over HTTP
 TIMEOUT_S = 3600
 
@@ -63,7 +62,8 @@ SOURCES = {
 # the strict fp32 verdict: max |delta logprob| 1.12e-3 = 2.8 x the original's own noise (4.0e-4), and 1 of 240
 # draft tokens differs under 5.14.1, 0 under 5.24.0 (an ordered-embedding draft: its centroid top-k can flip on
 # a 1e-3 change). Per-layer
-# E2B passes (1.7e-4). An open finding, not a tolerance: asserted as measured so that a change either way shows.
+# E2B passes (1.7e-4). An open finding, not a tolerance: its tokens must stay identical and its delta within 10 x
+# the tolerance; the strict verdict itself is reported, not asserted (it flips with the run's own noise).
 KNOWN_STRICT_MISSES = {("e2b", "pad-global", "float32")}
 
 
@@ -147,13 +147,6 @@ def run_serve_check(envs: list[VllmEnv], ref: Path, pairs: list[Path], dtypes: t
     return proc.returncode, json.loads((out / "report.json").read_text()), output
 
 
-def expected_engine_failure(layout: str, env: VllmEnv) -> bool:
-    """No layout is expected to stop the engine: per-layer writes the dual keys by default, which stock 0.27.0 reads
-    under transformers 5.14.1 and >= 5.15 alike (docs/VLLM_CHECK.md); only `--flat-keys-only` outputs would raise
-    AmbiguousGlobalPerLayerAttributeError under >= 5.15, and the loader matrix covers that control."""
-    return False
-
-
 @pytest.mark.parametrize("source_name", list(SOURCES))
 def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path, source_name):
     source, pair = SOURCES[source_name], built(source_name)
@@ -167,12 +160,13 @@ def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path
         assert len(set(tokens)) > len(tokens) // 2, f"degenerate reference output {tokens}"
     assert len(report["verdicts"]) == len(envs) * len(LAYOUTS) * len(source.dtypes)
     for verdict in report["verdicts"]:
-        env = next(e for e in envs if verdict["env"].endswith(f"tf-{e.transformers}"))
+        # no layout may stop the engine: per-layer's dual keys are read under 5.14.1 and >= 5.15 alike (the bare
+        # --flat-keys-only control, which fails under >= 5.15, is a loader-matrix row)
         where = f"{verdict['pair']} {verdict['env']} {verdict['dtype']}"
-        if expected_engine_failure(verdict["pair"], env):
-            assert not verdict["passed"] and AMBIGUOUS in " ".join(verdict["reasons"]), where
-        elif (source_name, verdict["pair"], verdict["dtype"]) in KNOWN_STRICT_MISSES:
-            assert not verdict["passed"] and verdict["tokens_identical"], f"{where}: {verdict}"
+        if (source_name, verdict["pair"], verdict["dtype"]) in KNOWN_STRICT_MISSES:
+            # the strict verdict sits at the edge of the measured noise (2.8 x in one run): either outcome is
+            # accepted, but never a token split or a delta an order of magnitude past the noise
+            assert verdict["tokens_identical"], f"{where}: {verdict}"
             assert verdict["max_delta"] < 10 * verdict["tolerance"], f"{where}: {verdict}"
         else:
             assert verdict["passed"], f"{where}: {verdict['reasons']}\n{output[-3000:]}"
