@@ -731,8 +731,8 @@ ENGINE_SCALES = {"embed_tokens.weight": 0.002, "norm.weight": 50.0}  # target, u
 def engine_preset(name: str = "31b") -> Preset:
     """tiny_preset(name) with the real head_dim / global_head_dim and without MoE experts' config flag.
 
-    The factory writes no expert tensors (module docstring), so a MoE preset runs as its dense twin with the
-    same attention ratios: an engine would otherwise compute with never-loaded expert weights.
+    A MoE preset runs as its dense twin with the same attention ratios: the layouts copy expert tensors raw and the
+    loader matrix compares them, but the MoE block has not been run through the CPU engine yet.
     """
     base = PRESETS[name]
     return replace(tiny_preset(name), head_dim=base.head_dim, global_head_dim=base.global_head_dim, moe=False)
