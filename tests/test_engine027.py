@@ -200,10 +200,12 @@ def swap_kv_heads(target: Path, layer: int = 0) -> str:
 
 def test_broken_conversions_fail_serve_check(engine_envs, built, tmp_path):
     pair = built("31b-per-layer-config")
+    # copies, not symlinks: serve_check names a pair after its directory; the assistant is the reference's (flat
+    # keys, loads in stock 0.27), so the pair fails on what it computes, not on a config it cannot parse
     mixed = tmp_path / "padded-target-unpadded-assistant"
     mixed.mkdir()
-    (mixed / "target").symlink_to(pair.converted["pad-global"][0] / "target")
-    (mixed / "assistant").symlink_to(pair.original / "assistant")
+    shutil.copytree(pair.converted["pad-global"][0] / "target", mixed / "target")
+    shutil.copytree(pair.reference / "assistant", mixed / "assistant")
     swapped = tmp_path / "kv-heads-swapped"
     shutil.copytree(pair.converted["per-layer"][0], swapped)
     swap_kv_heads(swapped / "target")
