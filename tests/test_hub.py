@@ -37,7 +37,7 @@ from converter.hub import describe_hub_error, open_checkpoint, parse_repo_ref, r
 from converter.io.checkpoint import INDEX_NAME, MANIFEST_NAME, VERIFICATION_NAME, read_checkpoint
 from converter.pipeline import ConvertRequest, execute, plan_conversion, serve_command
 from converter.report import inspect_checkpoint
-from converter.synthetic import tiny_preset, write_checkpoint, write_pair
+from converter.synthetic import tiny_preset, write_pair
 
 SHA_MAIN = hashlib.sha1(b"main").hexdigest()
 SHA_V2 = hashlib.sha1(b"v2").hexdigest()

@@ -48,8 +48,7 @@ import re
 import socket
 import sys
 import traceback
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
