@@ -14,15 +14,15 @@ from .errors import InputError, OutputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
 from .io.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
 from .io.lock import output_lock
-from .io.writer import (LINK_MODES, SequentialReader, make_directory, place_file, staged_directory, write_json,
-                        write_shard)
+from .io.writer import (LINK_MODES, SequentialReader, make_directory, place_file, reflink_possible, staged_directory,
+                        write_json, write_shard)
 from .layouts import get_layout
 from .pairing import PairReport, check_pair
 from .plan import CheckpointPlan, TensorPlan, index_document
 
 DEFAULT_SPECULATIVE_TOKENS = 4
 MADE_WRITTEN = "written"  # conversion.json `output.made` of a file this tool generated
-# modes whose unchanged files take no new space (auto may fall back to copying, so it is counted as a copy)
+# modes whose unchanged files take no new space (auto: where reflink_possible says so)
 LINKS_NO_SPACE = ("reflink", "hardlink", "symlink")
 
 
@@ -40,6 +40,7 @@ class ConvertRequest:
     force: bool = False
     max_shard_bytes: int | None = None
     link: str = "auto"  # how unchanged files get into the output: io.writer.LINK_MODES
+    hashed: bool = True  # sha256 of every source and output file read or written (--no-hash: null in the manifest)
     # role ("single", "target", "assistant") -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
     # source path -> its Checkpoint when already read another way (Hub headers over HTTP, hub.open_checkpoint);
@@ -120,9 +121,19 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     for item in items:
         warnings.extend(item.plan.warnings)
     plan = ConversionPlan(request=request, items=items, pair=pair, warnings=tuple(warnings))
-    linked = sum(s.nbytes for i in items for s in i.plan.shards if s.same_as) if request.link in LINKS_NO_SPACE else 0
-    _check_free_space(request.out, plan.output_bytes - linked)
+    _check_free_space(request.out, plan.output_bytes - _linked_bytes(request, items))
     return plan
+
+
+def _linked_bytes(request: ConvertRequest, items: tuple[PlannedCheckpoint, ...]) -> int:
+    """Bytes of unchanged files that take no new space: every one under reflink, hardlink and symlink, and under
+    auto where the source really clones into OUT's filesystem (else auto copies, and copies take space)."""
+    unchanged = [shard for item in items for shard in item.plan.shards if shard.same_as is not None]
+    if not unchanged:
+        return 0
+    if request.link == "auto" and not reflink_possible(unchanged[0].same_as, _existing_parent(request.out)):
+        return 0
+    return sum(shard.nbytes for shard in unchanged) if request.link in LINKS_NO_SPACE + ("auto",) else 0
 
 
 def _sources(request: ConvertRequest) -> dict[str, Path]:
@@ -161,10 +172,15 @@ def _is_replaceable(directory: Path) -> bool:
     return not any(directory.iterdir()) or any(path.is_file() for path in manifests)
 
 
-def _check_free_space(out: Path, needed: int) -> None:
+def _existing_parent(out: Path) -> Path:
     parent = out.resolve().parent
     while not parent.exists():
         parent = parent.parent
+    return parent
+
+
+def _check_free_space(out: Path, needed: int) -> None:
+    parent = _existing_parent(out)
     free = shutil.disk_usage(parent).free
     if free < needed:
         raise OutputError(f"{parent}: not enough space: {human_bytes(free)} free but the output needs "
@@ -198,22 +214,22 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
                 directory = staging / item.subdir if item.subdir else staging
                 make_directory(directory)
                 outputs[item.subdir], how = _write_checkpoint(item, directory, link=plan.request.link,
-                                                              paired=paired, warnings=plan.warnings,
+                                                              hashed=plan.request.hashed, paired=paired, warnings=plan.warnings,
                                                               on_bytes=on_bytes,
                                                               origin=plan.request.origins.get(item.subdir or "single"))
                 made.update({f"{item.subdir}/{name}".lstrip("/"): h for name, h in how.items()})
     return ConvertResult(plan=plan, output_files=outputs, made=made)
 
 
-def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, paired: bool, warnings: tuple[str, ...],
-                      on_bytes: Callable[[int], None],
+def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
+                      warnings: tuple[str, ...], on_bytes: Callable[[int], None],
                       origin: Mapping[str, str] | None = None) -> tuple[dict[str, str | None], dict[str, str]]:
     plan, source = item.plan, item.source
     render = None
     if not all(tensor.is_copy for tensor in plan.tensors):
         from .transforms import render_transform as render  # torch (~2 s to import): only when a tensor changes
     used = {t.source.ref.file for shard in plan.shards if shard.same_as is None for t in shard.tensors}
-    readers = {shard.file: SequentialReader(shard.file) for shard in source.shards if shard.file in used}
+    readers = {shard.file: SequentialReader(shard.file, hashed=hashed) for shard in source.shards if shard.file in used}
     sizes = {shard.file: shard.size for shard in source.shards}
     files: dict[str, str | None] = {}
     made: dict[str, str] = {}
@@ -221,33 +237,35 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, pa
     for shard in plan.shards:
         if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
             made[shard.file_name], digest = place_file(shard.same_as, directory / shard.file_name, link=link,
-                                                       expected_size=sizes[shard.same_as])
+                                                       expected_size=sizes[shard.same_as], hashed=hashed)
             files[shard.file_name] = source_hashes[shard.same_as.name] = digest
             on_bytes(sum(t.source.nbytes for t in shard.tensors))
             continue
         files[shard.file_name] = write_shard(directory / shard.file_name, shard, metadata=dict(plan.metadata),
-                                             readers=readers, render=render, on_bytes=on_bytes)
+                                             readers=readers, render=render, on_bytes=on_bytes, hashed=hashed)
         made[shard.file_name] = MADE_WRITTEN
     source_hashes.update({path.name: reader.finish() for path, reader in readers.items()})
     if plan.indexed:
         files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
     files["config.json"], made["config.json"] = write_json(directory / "config.json", plan.config), MADE_WRITTEN
     for name in plan.side_files:
-        made[name], digest = place_file(source.path / name, directory / name, link=link)
+        made[name], digest = place_file(source.path / name, directory / name, link=link, hashed=hashed)
         source_hashes[name] = files[name] = digest
     write_json(directory / MANIFEST_NAME, manifest_document(item, source_hashes=source_hashes, output_hashes=files,
-                                                            made=made, link=link, paired=paired, warnings=warnings,
-                                                            origin=origin))
+                                                            made=made, link=link, hashed=hashed, paired=paired,
+                                                            warnings=warnings, origin=origin))
     return files, made
 
 
 def manifest_document(item: PlannedCheckpoint, *, source_hashes: Mapping[str, str | None],
                       output_hashes: Mapping[str, str | None], made: Mapping[str, str], link: str, paired: bool,
-                      warnings: tuple[str, ...], origin: Mapping[str, str] | None = None) -> dict[str, Any]:
+                      warnings: tuple[str, ...], origin: Mapping[str, str] | None = None,
+                      hashed: bool = True) -> dict[str, Any]:
     """conversion.json: enough to audit, verify and cite the conversion (origin: the Hub repo id and commit).
 
     `output.made` says how each file came to be: "written" (generated), "copy", "reflink", "hardlink" or "symlink"
-    (an unchanged source file); a linked file was never read, so its sha256 is null on both sides.
+    (an unchanged source file); a linked file was never read, so its sha256 is null on both sides, as is every
+    shard's and weight file's with `hashed` False (--no-hash; the small JSON files are always hashed).
     """
     plan, source = item.plan, item.source
     return {
@@ -262,7 +280,8 @@ def manifest_document(item: PlannedCheckpoint, *, source_hashes: Mapping[str, st
         "warnings": list(warnings),
         "source": {"path": str(source.path.resolve()), **dict(origin or {}), "dialect": source.spec.dialect,
                    "config": dict(source.config), "files": dict(source_hashes)},
-        "output": {"files": dict(output_hashes), "made": dict(made), "link": link, "total_size": plan.total_size},
+        "output": {"files": dict(output_hashes), "made": dict(made), "link": link, "hashed": hashed,
+                   "total_size": plan.total_size},
         "tensors": [_tensor_record(t) for t in plan.tensors],
     }
 

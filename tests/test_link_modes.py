@@ -3,8 +3,8 @@
 For every mode: the source is byte-for-byte untouched, conversion.json records how each file was made, files that
 change (config.json, the index, re-serialized shards) are always written, verify / inspect / upload work on the
 output, and `--force` over a linked output leaves the source intact. Reflinks need a filesystem with copy-on-write
-clones: GEMMA4_REFLINK_DIR names a directory on one (e.g. a loop-mounted `mkfs.xfs -m reflink=1` image), else
-tmp_path is probed, else those tests skip with one line.
+clones: GEMMA4_REFLINK_DIR names a directory on one, else tmp_path is probed, else (as root, with mkfs.xfs) the
+tests mount a loop XFS image with reflink=1 of their own, else they skip with one line.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -195,15 +197,58 @@ def _reflink_dir(tmp_path: Path) -> Path | None:
     return None
 
 
+@pytest.fixture(scope="session")
+def loop_xfs(tmp_path_factory) -> Iterator[Path | None]:
+    """A loop-mounted 512 MiB XFS image with reflink=1, where root may make one (CI does); None elsewhere."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.xfs"):
+        yield None
+        return
+    root = tmp_path_factory.mktemp("xfs")
+    image, point = root / "xfs.img", root / "mnt"
+    point.mkdir()
+    with open(image, "wb") as handle:
+        handle.truncate(512 * 1024 * 1024)  # sparse
+    made = all(subprocess.run(step, capture_output=True).returncode == 0
+               for step in (["mkfs.xfs", "-q", "-m", "reflink=1", str(image)],
+                            ["mount", "-o", "loop", str(image), str(point)]))
+    try:
+        yield point if made and _supports_reflink(point) else None
+    finally:
+        if made:
+            subprocess.run(["umount", str(point)], capture_output=True, check=False)
+        image.unlink(missing_ok=True)
+
+
 @pytest.fixture
-def reflink_root(tmp_path):
-    root = _reflink_dir(tmp_path)
+def reflink_root(tmp_path, loop_xfs):
+    root = _reflink_dir(tmp_path) or loop_xfs
     if root is None:
-        pytest.skip("no filesystem with reflinks: set GEMMA4_REFLINK_DIR to a directory on XFS (reflink=1) or btrfs")
+        pytest.skip("no filesystem with reflinks: set GEMMA4_REFLINK_DIR to a directory on XFS (reflink=1) or btrfs, "
+                    "or run as root with mkfs.xfs")
     work = root if root == tmp_path else root / f"gemma4-test-{uuid.uuid4().hex}"
     work.mkdir(exist_ok=True)
     yield work
     if work != tmp_path:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_auto_needs_no_space_for_files_it_can_clone(pair, loop_xfs, run_cli):
+    """The up-front space check counts what auto will clone as free, and what copy will copy as needed."""
+    if loop_xfs is None:
+        pytest.skip("needs a loop XFS of the test's own to fill (root and mkfs.xfs)")
+    work = loop_xfs / f"space-{uuid.uuid4().hex}"
+    shutil.copytree(pair, work / "src")
+    shards = sum(p.stat().st_size for p in (work / "src").rglob("*.safetensors"))
+    filler = work / "filler"
+    with open(filler, "wb") as handle:  # leaves a quarter of the shards' size free
+        os.posix_fallocate(handle.fileno(), 0, shutil.disk_usage(loop_xfs).free - shards // 4)
+    try:
+        copied = _convert(run_cli, work / "src", work / "copied", layout="per-layer", link="copy")
+        assert copied.code == 4 and "not enough space" in copied.err and len(_errors(copied.err)) == 1, copied.err
+        cloned = _convert(run_cli, work / "src", work / "cloned", layout="per-layer", link="auto")
+        assert cloned.code == 0, cloned.err
+        assert set(_check_made(work / "src", work / "cloned", "auto").values()) == {WRITTEN, "reflink"}
+    finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -236,3 +281,24 @@ def test_hardlink_across_filesystems_is_one_line(pair, reflink_root, run_cli, tm
     assert result.code == 4 and "cannot hard-link" in result.err and len(_errors(result.err)) == 1
     assert "Traceback" not in result.err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "pad-global"])
+def test_no_hash_leaves_the_weight_hashes_null_and_still_verifies(pair, tmp_path, run_cli, layout):
+    out = tmp_path / "out"
+    result = run_cli("convert", "--target", pair / "target", "--assistant", pair / "assistant", "--out", out,
+                     "--layout", layout, "--link", "copy", "--no-hash")
+    assert result.code == 0, result.err
+    for role in ("target", "assistant"):
+        manifest = _manifest(out / role)
+        assert manifest["output"]["hashed"] is False
+        made = manifest["output"]["made"]
+        for name, digest in manifest["output"]["files"].items():
+            small = name.endswith(".json") and made[name] == WRITTEN  # config, index: from memory, hashed for free
+            assert (digest is not None) == small, (name, digest)
+            if small:
+                assert digest == hashlib.sha256((out / role / name).read_bytes()).hexdigest()
+        assert set(manifest["source"]["files"].values()) == {None}
+    verified = run_cli("verify", "--target", pair / "target", "--assistant", pair / "assistant", "--converted", out,
+                       "--device", "cpu", "--seq-len", "8")
+    assert verified.code == 0, verified.out
