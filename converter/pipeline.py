@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime as _dt
+import importlib
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -206,6 +208,8 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
     outputs: dict[str, dict[str, str | None]] = {}
     made: dict[str, str] = {}
     paired = plan.pair is not None
+    if any(not tensor.is_copy for item in plan.items for tensor in item.plan.tensors):
+        _import_in_background("converter.transforms")
     with output_lock(plan.request.out):
         if plan.request.out.exists() and not plan.request.force:  # another run finished it since we planned
             raise OutputError(f"{plan.request.out} already exists; choose a new directory or pass --force")
@@ -221,26 +225,33 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
     return ConvertResult(plan=plan, output_files=outputs, made=made)
 
 
+def _import_in_background(module: str) -> None:
+    """Starts importing `module` (torch, ~2 s of CPU) in a thread while the first files are copied; the later
+    `import` in the main thread waits on Python's per-module import lock for it to finish (or fails the same way)."""
+    threading.Thread(target=importlib.import_module, args=(module,), name=f"import {module}", daemon=True).start()
+
+
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
                       warnings: tuple[str, ...], on_bytes: Callable[[int], None],
                       origin: Mapping[str, str] | None = None) -> tuple[dict[str, str | None], dict[str, str]]:
     plan, source = item.plan, item.source
     render = None
-    if not all(tensor.is_copy for tensor in plan.tensors):
-        from .transforms import render_transform as render  # torch (~2 s to import): only when a tensor changes
     used = {t.source.ref.file for shard in plan.shards if shard.same_as is None for t in shard.tensors}
     readers = {shard.file: SequentialReader(shard.file, hashed=hashed) for shard in source.shards if shard.file in used}
     sizes = {shard.file: shard.size for shard in source.shards}
     files: dict[str, str | None] = {}
     made: dict[str, str] = {}
     source_hashes: dict[str, str | None] = {}
-    for shard in plan.shards:
+    # unchanged files first: their copies hide the import of torch (_import_in_background) that rewriting waits on
+    for shard in sorted(plan.shards, key=lambda shard: shard.same_as is None):
         if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
             made[shard.file_name], digest = place_file(shard.same_as, directory / shard.file_name, link=link,
                                                        expected_size=sizes[shard.same_as], hashed=hashed)
             files[shard.file_name] = source_hashes[shard.same_as.name] = digest
             on_bytes(sum(t.source.nbytes for t in shard.tensors))
             continue
+        if render is None and not all(tensor.is_copy for tensor in shard.tensors):
+            from .transforms import render_transform as render  # torch (~2 s to import): only when a tensor changes
         files[shard.file_name] = write_shard(directory / shard.file_name, shard, metadata=dict(plan.metadata),
                                              readers=readers, render=render, on_bytes=on_bytes, hashed=hashed)
         made[shard.file_name] = MADE_WRITTEN
