@@ -46,7 +46,8 @@ class Source:
     name: str
     path: Path
     description: str
-    make_args: tuple[str, ...]
+    make_args: tuple[str, ...]  # empty for the pair: hard links to the target's and the assistant's files
+    parts: tuple["Source", ...] = ()  # the pair's target and assistant (path/target, path/assistant)
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,20 @@ class Run:
     returncode: int
 
 
-CONTENDERS = ("cp", "dd-direct", "per-layer", "per-layer-reflink", "per-layer-hardlink", "per-layer-symlink",
-              "pad-global", "verify", "naive-per-layer", "naive-pad-global")
-DEFAULT_CONTENDERS = ("cp", "per-layer", "per-layer-reflink", "per-layer-hardlink", "per-layer-symlink", "pad-global",
-                      "naive-pad-global", "verify")
+CONTENDERS = ("cp", "dd-direct", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
+              "per-layer-symlink", "pad-global", "pad-global-no-hash", "verify", "naive-per-layer", "naive-pad-global")
+PAIR_CONTENDERS = ("cp", "per-layer", "per-layer-no-hash", "pad-global", "pad-global-no-hash")
+DEFAULT_CONTENDERS = ("cp", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
+                      "per-layer-symlink", "pad-global", "pad-global-no-hash", "naive-pad-global", "verify")
 
 
 def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, converted: Path | None,
-                      assistant: Path | None = None) -> list[str]:
+                      assistant: Path | None = None, pair: bool = False) -> list[str]:
+    if pair and contender not in ("cp", "verify", "dd-direct", "naive-per-layer", "naive-pad-global"):
+        # target and assistant in one command, as a user converts them: one start-up, one torch import
+        single = contender_command(contender, src, out, seq_len=seq_len, converted=converted)
+        at = single.index(str(src))
+        return single[:at] + ["--target", str(src / "target"), "--assistant", str(src / "assistant")] + single[at + 1:]
     if contender == "cp":
         return ["cp", "-r", str(src), str(out)]
     if contender == "dd-direct":  # copy with O_DIRECT on both sides, 4 MiB requests: what convert's I/O does
@@ -76,6 +83,9 @@ def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, con
                 'oflag=direct status=none || exit 1; done', "dd-direct", str(src), str(out)]
     if contender in ("per-layer", "pad-global"):  # --link auto: a copy on a filesystem without reflinks
         return [CLI, "convert", str(src), "--out", str(out), "--layout", contender]
+    if contender.endswith("-no-hash"):
+        return [CLI, "convert", str(src), "--out", str(out), "--layout", contender.removesuffix("-no-hash"),
+                "--no-hash"]
     if contender.startswith("per-layer-"):
         return [CLI, "convert", str(src), "--out", str(out), "--layout", "per-layer", "--link",
                 contender.removeprefix("per-layer-")]
@@ -172,11 +182,25 @@ def plan_sources(args: argparse.Namespace) -> list[Source]:
                                   f"31B-width target, full embedding, {layers} decoder layers, {shards} shards",
                                   ("--preset", "31b", "--role", "target", "--text-only", "--num-layers", str(layers),
                                    "--num-shards", str(shards), *width)))
-    return [s for s in sources if s.name in args.sources or s.name.split("-")[0] in args.sources]
+    chosen = [s for s in sources if s.name in args.sources or s.name.split("-")[0] in args.sources]
+    if "pair" in args.sources and args.target_layers > 0:
+        parts = (sources[-1], sources[0])  # the large target, the assistant
+        chosen.append(Source(f"pair-{args.target_layers}L", base / f"pair-{args.target_layers}L",
+                             f"`{parts[0].name}` + `assistant` converted together (--target/--assistant; hard links "
+                             "to their files)", (), parts))
+    return chosen
 
 
 def build(source: Source, log: Path) -> None:
     """Writes the source with the factory unless a previous run completed it (marker beside it)."""
+    if source.parts:
+        for part in source.parts:
+            build(part, log)
+        if not source.path.is_dir():  # hard links: no new space, and the page cache of the parts is the pair's
+            source.path.mkdir(parents=True)
+            for role, part in zip(("target", "assistant"), source.parts):
+                shutil.copytree(part.path, source.path / role, copy_function=os.link)
+        return
     marker = source.path.with_name(source.path.name + ".complete")
     if marker.exists() and marker.read_text() == " ".join(source.make_args):
         return
@@ -209,6 +233,10 @@ def bench_source(source: Source, args: argparse.Namespace, log: Path, *, assista
     outs = args.work_dir / "out"
     converted = outs / f"{source.name}.verify-input"
     contenders = [c for c in args.contenders if c != "per-layer-reflink" or args.reflink_dir]
+    if source.parts:  # the pair: the conversions and their floor (verify runs on the target's row, with the pair)
+        contenders = [c for c in contenders if c in PAIR_CONTENDERS]
+    elif not source.name.startswith("target"):  # the assistant is verified with its target, on the target's row
+        contenders = [c for c in contenders if c != "verify"]
     pair = assistant if assistant is not None and source.name.startswith("target") else None
     if "verify" in contenders:
         shutil.rmtree(converted, ignore_errors=True)
@@ -244,7 +272,7 @@ def run_one(source: Source, contender: str, cache: str, rep: int, args: argparse
         for path in inputs:
             read_through(path)
     command = contender_command(contender, src, out, seq_len=args.seq_len, converted=converted,
-                                assistant=pair.path if pair else None)
+                                assistant=pair.path if pair else None, pair=bool(source.parts))
     wall, cpu, rss, code = timed_child(command, flush=out, log=log)
     shutil.rmtree(out, ignore_errors=True)
     print(f"  {source.name:<12} {cache:<4} {contender:<19} rep {rep}: {wall:7.2f} s  cpu {cpu:7.2f} s  "
@@ -362,7 +390,8 @@ def render(rows: list[dict], *, args: argparse.Namespace, info: dict[str, str], 
         "Sources (`scripts/make_synthetic.py` arguments):",
         "",
     ]
-    parts += [f"- `{s.name}`: {s.description} (`{' '.join(s.make_args)}`)" for s in sources]
+    parts += [f"- `{s.name}`: {s.description}" + (f" (`{' '.join(s.make_args)}`)" if s.make_args else "")
+              for s in sources]
     for cache in args.cache:
         parts += ["", f"### {cache} cache", "", table([r for r in rows if r["cache"] == cache])]
     if startup:
@@ -393,8 +422,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--small-target-layers", type=int, default=0, help="a second target size, to compare RSS "
                         "across layer counts; 0 (default) skips it")
     parser.add_argument("--small-target-shards", type=int, default=2)
-    parser.add_argument("--sources", nargs="+", default=["assistant", "target"],
-                        help="which sources to run: assistant, target (both targets), or target-NL")
+    parser.add_argument("--sources", nargs="+", default=["assistant", "target", "pair"],
+                        help="which sources to run: assistant, target (both targets), target-NL, or pair (the large "
+                             "target and the assistant in one convert)")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(DEFAULT_CONTENDERS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", nargs="+", choices=["warm", "cold"], default=["warm", "cold"])
