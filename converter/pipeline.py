@@ -227,8 +227,14 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
 
 def _import_in_background(module: str) -> None:
     """Starts importing `module` (torch, ~2 s of CPU) in a thread while the first files are copied; the later
-    `import` in the main thread waits on Python's per-module import lock for it to finish (or fails the same way)."""
-    threading.Thread(target=importlib.import_module, args=(module,), name=f"import {module}", daemon=True).start()
+    `import` in the main thread waits on Python's per-module import lock for it to finish, or imports it again
+    itself if this failed (that import raises the real error, in one line, where it is needed)."""
+    def load() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException:  # noqa: BLE001 - not this thread's to report
+            pass
+    threading.Thread(target=load, name=f"import {module}", daemon=True).start()
 
 
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
