@@ -12,7 +12,7 @@ from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, 
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors_header import TensorRef
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
-from ..quantization import MODELOPT, weight_scheme
+from ..quantization import MODELOPT, WeightScheme, weight_scheme
 
 _REGISTRY: dict[str, type["Layout"]] = {}
 
@@ -175,19 +175,38 @@ def transformed(tensor: AttentionTensor, out_name: str, *, action: str, transfor
                       action=f"split+{action}" if tensor.from_fused else action, transform=transform, params=params)
 
 
-def _fused_slices(ref: TensorRef, layer: LayerGeometry, num_heads: int, source: str) -> Iterator[tuple[str, SourceSlice]]:
+def _fused_slices(ref: TensorRef, layer: LayerGeometry, num_heads: int, source: str,
+                  block: WeightScheme | None) -> Iterator[tuple[str, SourceSlice]]:
+    """q/k/v row ranges of a fused qkv_proj tensor; `block`: the fp8 block scheme when `ref` is its
+    `weight_scale`, whose rows are one per block of weight rows (split exactly when no block straddles two
+    projections; refused by name when one does)."""
     rows = {"q_proj": num_heads * layer.head_dim, "k_proj": layer.num_kv_heads * layer.head_dim,
             "v_proj": 0 if layer.k_eq_v else layer.num_kv_heads * layer.head_dim}
+    unit = ""
+    if block is not None:
+        block_rows = block.block_structure[0]
+        straddling = next((m for m, n in rows.items() if n % block_rows), None)
+        if straddling is not None:
+            raise InputError(f"{source}: {ref.name} holds {block.describe()} scales of a fused q/k/v weight, but "
+                             f"{straddling} has {rows[straddling]} rows, not a multiple of the {block_rows}-row "
+                             "block: a scale spans two projections and cannot be split exactly")
+        rows = {m: n // block_rows for m, n in rows.items()}
+        unit = f" (one per {block_rows} weight rows)"
     total = sum(rows.values())
     if not ref.shape or ref.shape[0] != total:
         raise InputError(f"{source}: {ref.name} has shape {list(ref.shape)} but layer {layer.index} "
                          f"({layer.layer_type}, head_dim {layer.head_dim}, {layer.num_kv_heads} KV heads"
-                         f"{', k_eq_v' if layer.k_eq_v else ''}) needs {total} fused rows")
+                         f"{', k_eq_v' if layer.k_eq_v else ''}) needs {total} fused rows{unit}")
     start = 0
     for module, count in rows.items():
         if count:
             yield module, SourceSlice(ref=ref, row_start=start, row_stop=start + count)
         start += count
+
+
+def _block_scheme(spec: ModelSpec, layer: int) -> WeightScheme | None:
+    scheme = weight_scheme(spec.quantization, f"{spec.weight_prefix}layers.{layer}.self_attn.qkv_proj")
+    return scheme if scheme is not None and scheme.is_fp8 and scheme.block_structure else None
 
 
 def find_attention_tensors(checkpoint: Checkpoint) -> Iterator[AttentionTensor]:
@@ -203,7 +222,8 @@ def find_attention_tensors(checkpoint: Checkpoint) -> Iterator[AttentionTensor]:
                              f"{len(layers)} layers")
         layer = layers[parsed.layer]
         if parsed.module == "qkv_proj":
-            for module, piece in _fused_slices(ref, layer, spec.attention.num_heads, str(checkpoint.path)):
+            block = _block_scheme(spec, parsed.layer) if parsed.param == "weight_scale" else None
+            for module, piece in _fused_slices(ref, layer, spec.attention.num_heads, str(checkpoint.path), block):
                 yield AttentionTensor(layer=layer, module=module, param=parsed.param, source=piece, from_fused=True)
         else:
             yield AttentionTensor(layer=layer, module=parsed.module, param=parsed.param,
