@@ -169,7 +169,7 @@ def test_clean_checkpoints_exit_0_and_mixed_attention_dtypes_exit_3(synthetic_ca
     path.write_bytes(struct.pack("<Q", length) + raw + blob[8 + length:])
     result = run_cli("inspect", src)
     assert result.code == 3
-    assert f"attention tensors mix dtypes (BF16 x" in result.err and f"{name} is F16" in result.err
+    assert "attention tensors mix dtypes (BF16 x" in result.err and f"{name} is F16" in result.err
 
 
 def test_q_only_kv_shared_target_layers_are_predicted_to_fail_in_vllm(synthetic_cache, tmp_path, run_cli):
