@@ -14,8 +14,8 @@ from .errors import InputError
 from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
 from .io.checkpoint import Checkpoint
 from .layouts import get_layout, layout_names
-from .layouts.base import (AttentionTensor, attention_problems, check_attention_scales, check_moe_tensors,
-                           check_quantized_attention, expected_shape, find_attention_tensors, layout_from_manifest)
+from .layouts.base import (AttentionTensor, attention_problems, expected_shape, find_attention_tensors,
+                           layout_from_manifest, scheme_problems)
 from .quantization import weight_scheme
 from .serving import VLLM_027_NEW, VLLM_027_OLD, ServingEnv, config_form, predict, recommend
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
@@ -34,7 +34,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
     attention_tensors = list(find_attention_tensors(checkpoint))
     contradictions = attention_problems(attention_tensors, spec, source=str(checkpoint.path))
     problems = ([p.message for p in contradictions] + _dtype_problems(checkpoint, attention_tensors)
-                + _scheme_problems(checkpoint, attention_tensors))
+                + scheme_problems(checkpoint, attention_tensors))
     recognized = _recognized_layout(checkpoint)
     return {
         "report_version": REPORT_VERSION,
@@ -174,19 +174,6 @@ def _dtype_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> l
     counts = ", ".join(f"{d} x{n}" for d, n in dtypes.most_common())
     return [f"{checkpoint.path}: attention tensors mix dtypes ({counts}; e.g. {example} is {rare}); vLLM 0.27 "
             f"casts each to the model dtype on load (param.data.copy_), so they do not keep their precision"]
-
-
-def _scheme_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
-    """Quantized attention under Model Optimizer, missing or misshapen fp8 scales, MoE tensors against the config."""
-    problems = []
-    for check in (lambda: check_quantized_attention(checkpoint.spec, source=str(checkpoint.path)),
-                  lambda: check_attention_scales(tensors, checkpoint.spec, source=str(checkpoint.path)),
-                  lambda: check_moe_tensors(checkpoint)):
-        try:
-            check()
-        except InputError as exc:
-            problems.append(str(exc))
-    return problems
 
 
 def _recognized_layout(checkpoint: Checkpoint) -> str | None:

@@ -178,3 +178,67 @@ def test_fp8_block_scales_are_one_per_block(tmp_path):
     q = f"{PREFIX}0.self_attn.q_proj"
     assert tensors[q + ".weight"].dtype == torch.float8_e4m3fn
     assert tuple(tensors[q + ".weight_scale"].shape) == (32 * 16 // 8, 336 // 8)
+
+
+# ------------------------------------------------------------------ fused qkv_proj with block scales
+
+def _fused_rows(layer: int) -> dict[str, tuple[int, int]]:
+    """q/k/v row ranges of the tiny 31B preset's fused qkv_proj (sliding: 32x16 | 16x16 | 16x16; layer 5 full,
+    k_eq_v: 32x32 | 4x32)."""
+    if layer == 5:
+        return {"q_proj": (0, 1024), "k_proj": (1024, 1152)}
+    return {"q_proj": (0, 512), "k_proj": (512, 768), "v_proj": (768, 1024)}
+
+
+@pytest.fixture(scope="module")
+def fused_block_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8-block-fused")
+    write_pair(root / "src", preset=tiny_preset("31b"), fused_qkv=True, num_shards=2,
+               quantization=fp8_quantization_config("block", block=BLOCK))
+    return root / "src"
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "pad-global"])
+def test_fused_qkv_block_scales_split_exactly(fused_block_pair, tmp_path, run_cli, layout):
+    src, out = fused_block_pair, tmp_path / "out"
+    result = run_cli("convert", "--target", src / "target", "--assistant", src / "assistant", "--out", out,
+                     "--layout", layout)
+    assert result.code == 0, result.err
+    source, output = load_tensors(src / "target"), load_tensors(out / "target")
+    assert not any(".qkv_proj." in name for name in output)
+    for layer in range(6):
+        fused = {p: source[f"{PREFIX}{layer}.self_attn.qkv_proj.{p}"] for p in ("weight", "weight_scale")}
+        for module, (start, stop) in _fused_rows(layer).items():
+            name = f"{PREFIX}{layer}.self_attn.{module}"
+            piece = {"weight": fused["weight"][start:stop],
+                     "weight_scale": fused["weight_scale"][start // BLOCK[0]:stop // BLOCK[0]]}
+            if layout == "per-layer":  # the bytes of the fused rows and of their scale rows, nothing else
+                assert torch.equal(output[name + ".weight"].view(torch.uint8), piece["weight"].view(torch.uint8))
+                assert torch.equal(output[name + ".weight_scale"], piece["weight_scale"]), name
+            elif layer < 5:  # sliding rows padded 16 -> 32 per head, dequantized values kept
+                heads = (stop - start) // 16
+                want = pad_head_rows(_dequantized({"w.weight": piece["weight"], "w.weight_scale": piece["weight_scale"]},
+                                                  "w"), num_heads=heads, head_dim=16, target_head_dim=32)
+                assert torch.equal(_dequantized(output, name), want), name
+    verify = run_cli("verify", "--target", src / "target", "--assistant", src / "assistant", "--converted", out)
+    assert verify.code == 0, verify.err
+
+
+def test_fused_qkv_block_straddling_projections_is_refused_by_name(tmp_path, run_cli):
+    """32-row blocks on sliding layers whose k_proj and v_proj have 16 rows each (1 KV head x 16): one scale row
+    would hold k and v rows both, so no exact split exists."""
+    from dataclasses import replace
+    preset = replace(tiny_preset("31b"), num_kv_heads=1, num_global_kv_heads=1)
+    # o_proj and MLP rows (336) are no multiple of 32: left unquantized, only the fused qkv_proj has 32-row blocks
+    config = fp8_quantization_config("block", block=(32, 8), ignore=("re:.*mlp.*", r"re:.*o_proj"))
+    write_pair(tmp_path / "src", preset=preset, fused_qkv=True, quantization=config)
+    words = {"per-layer": "layers.0.self_attn.qkv_proj.weight_scale holds float8 block 32x8 (float-quantized) "
+                          "scales of a fused q/k/v weight, but k_proj has 16 rows, not a multiple of the 32-row block",
+             # pad-global refuses such blocks before splitting: they would also mix half-heads
+             "pad-global": "layers.0.self_attn.q_proj is quantized as float8 block 32x8 (float-quantized); its "
+                           "32-row scale blocks would mix rows of different half-heads"}
+    for layout, want in words.items():
+        result = run_cli("convert", "--target", tmp_path / "src" / "target", "--assistant",
+                         tmp_path / "src" / "assistant", "--out", tmp_path / layout, "--layout", layout)
+        assert result.code == 3 and result.err.count("\n") == 1 and want in result.err, result.err
+        assert not (tmp_path / layout).exists()

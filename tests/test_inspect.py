@@ -169,7 +169,7 @@ def test_clean_checkpoints_exit_0_and_mixed_attention_dtypes_exit_3(synthetic_ca
     path.write_bytes(struct.pack("<Q", length) + raw + blob[8 + length:])
     result = run_cli("inspect", src)
     assert result.code == 3
-    assert f"attention tensors mix dtypes (BF16 x" in result.err and f"{name} is F16" in result.err
+    assert "attention tensors mix dtypes (BF16 x" in result.err and f"{name} is F16" in result.err
 
 
 def test_q_only_kv_shared_target_layers_are_predicted_to_fail_in_vllm(synthetic_cache, tmp_path, run_cli):
@@ -197,3 +197,38 @@ def test_q_only_kv_shared_target_layers_are_predicted_to_fail_in_vllm(synthetic_
     verdict = report["vllm_0_27"]["transformers<5.15"]
     assert verdict["outcome"] == "fails" and verdict["error"].startswith(
         "ValueError: Following weights were not initialized from checkpoint: {...layers.9.self_attn.k_norm.weight")
+
+
+def _scheme_problem_target(tmp_path, case: str):
+    """A target breaking one of the scheme checks in many places at once; returns (dir, the tensors at fault)."""
+    from converter.synthetic import modelopt_nvfp4_config, scaled_preset, tiny_preset, write_checkpoint
+    src = tmp_path / case
+    if case == "modelopt-quantized-attention":
+        preset = tiny_preset("31b")
+        write_checkpoint(src, preset=preset, role="target", multimodal=False,
+                         quantization=modelopt_nvfp4_config(exclude=("lm_head",)))
+        config = read_config(src)
+        want = set()
+        for i, kind in enumerate(config["layer_types"]):
+            k_eq_v = kind == "full_attention" and config["attention_k_eq_v"]
+            want |= {f"model.layers.{i}.self_attn.{m}_proj is quantized" for m in ("qko" if k_eq_v else "qkvo")}
+        return src, want
+    preset = scaled_preset("26b-a4b", width_divisor=64, num_layers=6, vocab_size=64)
+    write_checkpoint(src, preset=preset, role="target", multimodal=False)
+    config = read_config(src)
+    config["moe_intermediate_size"] = 12  # every layer's fused experts now contradict the config
+    (src / "config.json").write_text(json.dumps(config))
+    return src, {f"model.layers.{i}.experts.{p} has shape" for i in range(6) for p in ("gate_up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("case", ["modelopt-quantized-attention", "moe-experts-wrong-width"])
+def test_every_scheme_problem_is_listed_and_convert_refuses_with_the_first(tmp_path, run_cli, case):
+    src, want = _scheme_problem_target(tmp_path, case)
+    result = run_cli("inspect", "--json", src)
+    assert result.code == 3
+    # packed fp4 attention weights also contradict the geometry (half the columns): those are listed besides
+    problems = [p for p in json.loads(result.out)["problems"] if any(w in p for w in want)]
+    assert {w for w in want for p in problems if w in p} == want and len(problems) == len(want), problems
+    convert = run_cli("convert", src, "--out", tmp_path / "out", "--layout", "per-layer")
+    assert convert.code == 3 and convert.err.strip() == f"error: {problems[0]}"
+    assert not (tmp_path / "out").exists()

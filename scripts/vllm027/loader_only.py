@@ -1,0 +1,103 @@
+"""``check.py --loaders-only``: run vLLM's stock create_weights and weight loaders for quantized linear layers that
+have no CPU GEMM kernel, and keep the parameters exactly as the loaders filled them.
+
+Where vLLM 0.27.0 refuses on a CPU (read from its code, site-packages/vllm):
+
+- compressed-tensors FP8 block (``CompressedTensorsW8A8Fp8.create_weights``,
+  ``quantization/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py``): the ``weight`` and ``weight_scale``
+  parameters (with their weight loaders) are registered first; the LAST statement picks the GEMM,
+  ``init_fp8_linear_kernel`` -> ``choose_scaled_mm_linear_kernel`` over ``_POSSIBLE_FP8_BLOCK_KERNELS[CPU]`` =
+  [``CPUFp8BlockScaledMMKernel``], whose ``is_supported`` needs AMX tiles (``kernels/linear/scaled_mm/cpu.py``) and
+  whose ``can_implement`` needs 128-column, 32k-row blocks. Its ``process_weights_after_loading`` VNNI-repacks the
+  weight for AMX (``torch.ops._C.convert_weight_packed``).
+- Model Optimizer NVFP4 (``ModelOptNvFp4LinearMethod.__init__``, ``quantization/modelopt.py``): the linear method
+  picks its kernel in its constructor, ``init_nvfp4_linear_kernel`` (``kernels/linear/__init__.py``), from
+  ``_POSSIBLE_NVFP4_KERNELS``, which has no CPU entry at all (CUDA and ROCm only): "Failed to find a kernel that can
+  implement the NVFP4 linear layer". create_weights itself needs no kernel.
+
+So the kernel choice, not the loaders, is what a CPU lacks. :func:`install` wraps exactly those two selection
+functions where the schemes look them up: the stock selection runs first; only when it raises ValueError is a
+:class:`LoaderOnlyKernel` returned, and the refusal (function, message) is recorded. The stand-in declares no
+input quant key, does nothing after loading and raises on use. The loader's ``process_weights_after_loading`` is
+also wrapped to take a copy of every parameter and persistent buffer before it runs: that copy, the tensors as the
+weight loaders left them, is what check.py compares. The stock post-processing then still runs (with the stand-in,
+the part that needs the missing kernel, the AMX repack or an NVFP4 GEMM's swizzle, is what does not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# (module that looks the selection function up, its name there)
+_SELECTION_SITES = (
+    ("vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8",
+     "init_fp8_linear_kernel"),
+    ("vllm.model_executor.layers.quantization.modelopt", "init_nvfp4_linear_kernel"),
+)
+_LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
+
+
+class LoaderOnlyKernel:
+    """Takes the place of a GEMM kernel vLLM could not select; it never computes."""
+
+    def __init__(self, refused_by: str, reason: str) -> None:
+        self.refused_by = refused_by
+        self.reason = reason
+
+    def input_quant_key(self) -> None:  # expose_input_quant_key: the layer quantizes nothing for it
+        return None
+
+    def process_weights_after_loading(self, layer: Any) -> None:  # the repack/swizzle needs the missing kernel
+        return None
+
+    def apply_weights(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"loader-only stand-in for a kernel {self.refused_by} refused: {self.reason}")
+
+
+@dataclass
+class Recorder:
+    """What install() saw: each refusal once with its count, and per model the pre-processing copy."""
+
+    refusals: dict[tuple[str, str], int] = field(default_factory=dict)
+    loaded: dict[int, dict[str, Any]] = field(default_factory=dict)  # id(model) -> name -> tensor copy
+    classes: dict[int, dict[str, str]] = field(default_factory=dict)  # id(model) -> name -> parameter class name
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [{"selection": fn, "reason": reason, "layers": n} for (fn, reason), n in self.refusals.items()]
+
+
+def _selection_with_stand_in(real: Callable[..., Any], name: str, rec: Recorder) -> Callable[..., Any]:
+    def select(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return real(*args, **kwargs)
+        except ValueError as exc:  # the documented "no kernel can implement" refusal; anything else propagates
+            reason = " ".join(str(exc).split())
+            rec.refusals[(name, reason)] = rec.refusals.get((name, reason), 0) + 1
+            return LoaderOnlyKernel(name, reason)
+    return select
+
+
+def install(snapshot: Callable[[Any], dict[str, Any]]) -> Recorder:
+    """Wraps the kernel selections and the loader's post-processing; `snapshot(model)` names the tensors to copy.
+
+    Returns:
+        The Recorder check.py reads after get_model.
+    """
+    import importlib
+
+    rec = Recorder()
+    for module_name, fn_name in _SELECTION_SITES:
+        module = importlib.import_module(module_name)
+        setattr(module, fn_name, _selection_with_stand_in(getattr(module, fn_name), fn_name, rec))
+    loader = importlib.import_module(_LOADER_MODULE)
+    real_process = loader.process_weights_after_loading
+
+    def process(model: Any, *args: Any, **kwargs: Any) -> Any:
+        tensors = snapshot(model)
+        rec.loaded[id(model)] = {n: t.detach().clone() for n, t in tensors.items()}
+        rec.classes[id(model)] = {n: type(t).__name__ for n, t in tensors.items()}
+        return real_process(model, *args, **kwargs)
+
+    loader.process_weights_after_loading = process
+    return rec
