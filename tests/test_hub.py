@@ -651,7 +651,7 @@ def test_dry_run_contacts_nothing_and_prints_files_sizes_and_cards(converted, mo
     result = run_cli("upload", converted, "--target-repo", "me/t", "--assistant-repo", "me/a", "--dry-run")
     assert result.code == 0, result.err
     size = (converted / "target" / "model-00001-of-00002.safetensors").stat().st_size
-    assert f"model-00001-of-00002.safetensors" in result.out and f"{size / 2**20:.1f} MiB" in result.out
+    assert "model-00001-of-00002.safetensors" in result.out and f"{size / 2**20:.1f} MiB" in result.out
     assert result.out.count("--- end of card ---") == 2 and "(generated model card)" in result.out
     assert result.out.rstrip().endswith("dry run: nothing uploaded, the Hub was not contacted")
 
