@@ -37,109 +37,49 @@ def page_aligned_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))
 
 
-READ_CHUNK_BYTES = 4 * 1024 * 1024  # one O_DIRECT read; a multiple of any logical block size
-DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of the logical block size
+READ_CHUNK_BYTES = 4 * 1024 * 1024  # one read request
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 class SourceFile:
-    """Sequential reads of one source file from wherever its bytes are fastest to get.
+    """Sequential reads of one source file through the page cache, with the kernel's readahead told the file is
+    read front to back once (POSIX_FADV_SEQUENTIAL).
 
-    Each chunk is first asked of the page cache without waiting for the disk (preadv2 RWF_NOWAIT on a buffered
-    descriptor): a checkpoint that was just downloaded or converted is read at memory speed. What is not cached is
-    read with O_DIRECT, which skips the page cache: a stream read once gains nothing from it, and on the bench
-    machine the kernel's page-cache copy of uncached data cost several times the direct read itself
-    (docs/BENCHMARKS.md). A filesystem that refuses O_DIRECT (tmpfs) or RWF_NOWAIT gets plain buffered reads.
+    A cached file (just downloaded or converted) is read at memory speed. An uncached one is read ahead by the
+    kernel while this process hashes and writes, which O_DIRECT requests of 4 MiB (one at a time) did not do: reading
+    and hashing a 1.68 GB shard cold took 1.7-2.05 s buffered against 2.4-6.0 s with O_DIRECT on the quiet bench
+    machine, and pad-global of the 6.76 GB target went from 1.79x to 1.12x `cp` cold (docs/BENCHMARKS.md).
     """
 
     def __init__(self, path: Path):
         self.path = path
         self._fd = self.fileno = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.size = os.fstat(self._fd).st_size
-        self._direct_fd = _open_direct(path) if _O_DIRECT else None
-        self._nowait = bool(_RWF_NOWAIT) and self._direct_fd is not None
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.position = 0
-        self.cached_bytes = 0  # served by the page cache (bench and tests look)
 
     def readinto(self, buffer: memoryview) -> int:
         """Fills buffer with the next bytes (fewer only at the end of the file); returns the count."""
         want = min(len(buffer), self.size - self.position)
         done = 0
         while done < want:
-            count = self._read_at(buffer[done:], self.position + done, want - done)
+            count = os.preadv(self._fd, [buffer[done:want]], self.position + done)
             if count == 0:
                 break
             done += count
         self.position += done
         return done
 
-    def _read_at(self, buffer: memoryview, offset: int, want: int) -> int:
-        cached = 0
-        if self._nowait:
-            cached = self._cached_read(buffer[:want], offset)
-            self.cached_bytes += cached
-            if cached == want:
-                return cached
-        if self._direct_fd is not None and offset % DIRECT_ALIGN == 0:
-            start = cached - cached % DIRECT_ALIGN  # O_DIRECT resumes on a block boundary
-            return start + self._direct_read(buffer[start:], offset + start, want - start)
-        return cached + os.preadv(self._fd, [buffer[cached:want]], offset + cached)
-
-    def _cached_read(self, buffer: memoryview, offset: int) -> int:
-        try:
-            return os.preadv(self._fd, [buffer], offset, _RWF_NOWAIT)
-        except BlockingIOError:  # nothing of it cached
-            return 0
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            self._nowait = False  # this kernel or filesystem has no RWF_NOWAIT for reads
-            return 0
-
-    def _direct_read(self, buffer: memoryview, offset: int, want: int) -> int:
-        """O_DIRECT of whole blocks (the buffer's full length, so aligned; the kernel stops at end of file)."""
-        if len(buffer) % DIRECT_ALIGN:
-            return os.preadv(self._fd, [buffer[:want]], offset)
-        try:
-            count = os.preadv(self._direct_fd, [buffer], offset)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            # a filesystem that accepted O_DIRECT at open but not for this read: carry on buffered
-            self.close_direct()
-            return os.preadv(self._fd, [buffer[:want]], offset)
-        return min(count, want)
-
-    def close_direct(self) -> None:
-        if self._direct_fd is not None:
-            os.close(self._direct_fd)
-        self._direct_fd, self._nowait = None, False
-
-    @property
-    def direct(self) -> bool:
-        return self._direct_fd is not None
-
     def close(self) -> None:
-        self.close_direct()
         os.close(self._fd)
-
-
-def _open_direct(path: Path) -> int | None:
-    """A second, O_DIRECT descriptor where the OS and filesystem accept one (not tmpfs, not macOS)."""
-    try:
-        return os.open(path, os.O_RDONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return None
 
 
 class SequentialReader:
     """Reads one source file front to back exactly once, hashing every byte (gaps and header included).
 
     The plan orders tensors by source offset, so each request starts at or after the previous one. The file
-    is read in READ_CHUNK_BYTES chunks (SourceFile: page cache where it holds them, else O_DIRECT); requested
+    is read in READ_CHUNK_BYTES chunks (SourceFile); requested
     ranges are copied out of the chunk into the caller's buffer (`fill`, `read`). `hashed=False` (verify, which
     compares bytes instead) skips the sha256.
     """
