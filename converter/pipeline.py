@@ -24,8 +24,6 @@ from .plan import CheckpointPlan, TensorPlan, index_document
 
 DEFAULT_SPECULATIVE_TOKENS = 4
 MADE_WRITTEN = "written"  # conversion.json `output.made` of a file this tool generated
-# modes whose unchanged files take no new space (auto: where reflink_possible says so)
-LINKS_NO_SPACE = ("reflink", "hardlink", "symlink")
 
 
 @dataclass(frozen=True)
@@ -131,11 +129,11 @@ def _linked_bytes(request: ConvertRequest, items: tuple[PlannedCheckpoint, ...])
     """Bytes of unchanged files that take no new space: every one under reflink, hardlink and symlink, and under
     auto where the source really clones into OUT's filesystem (else auto copies, and copies take space)."""
     unchanged = [shard for item in items for shard in item.plan.shards if shard.same_as is not None]
-    if not unchanged:
+    if request.link == "copy" or not unchanged:
         return 0
     if request.link == "auto" and not reflink_possible(unchanged[0].same_as, _existing_parent(request.out)):
         return 0
-    return sum(shard.nbytes for shard in unchanged) if request.link in LINKS_NO_SPACE + ("auto",) else 0
+    return sum(shard.nbytes for shard in unchanged)
 
 
 def _sources(request: ConvertRequest) -> dict[str, Path]:
