@@ -7,6 +7,8 @@ from typing import Any, Mapping
 
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, ModelSpec
 
+DEFAULT_SPECULATIVE_TOKENS = 4
+
 
 @dataclass(frozen=True)
 class KvShare:
@@ -75,3 +77,16 @@ def _kv_share(target: ModelSpec, assistant_layer) -> KvShare:
     return KvShare(assistant_layer=assistant_layer.index, layer_type=assistant_layer.layer_type, target_layer=source,
                    assistant_geometry=(assistant_layer.head_dim, assistant_layer.num_kv_heads),
                    target_geometry=geometry)
+
+
+def serve_line(*, target: str | None, assistant: str | None, layout: str) -> str:
+    """The `vllm serve` command for a pair, by local path (convert) or repo id (cards); pad-global pins the attention
+    backend (FACTS.md section 4)."""
+    target_ref = target or "<TARGET converted the same way>"
+    assistant_ref = assistant or "<ASSISTANT converted the same way>"
+    spec = ('{"method": "mtp", "model": "' + assistant_ref + f'", "num_speculative_tokens": '
+            f'{DEFAULT_SPECULATIVE_TOKENS}}}')
+    command = f"vllm serve {target_ref} --speculative-config '{spec}'"
+    if layout == "pad-global":
+        command += " --attention-backend TRITON_ATTN"
+    return command

@@ -14,15 +14,15 @@ from . import __version__
 from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
-from .io.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
-from .io.lock import output_lock
-from .io.writer import (LINK_MODES, SequentialReader, make_directory, place_file, reflink_possible, staged_directory,
-                        write_json, write_shard)
 from .layouts import get_layout
-from .pairing import PairReport, check_pair
+from .pairing import PairReport, check_pair, serve_line
 from .plan import CheckpointPlan, TensorPlan, index_document
+from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
+from .read.sequential import SequentialReader
+from .write.lock import output_lock
+from .write.writer import (LINK_MODES, make_directory, place_file, reflink_possible, staged_directory,
+                           write_json, write_shard)
 
-DEFAULT_SPECULATIVE_TOKENS = 4
 MADE_WRITTEN = "written"  # conversion.json `output.made` of a file this tool generated
 
 
@@ -39,7 +39,7 @@ class ConvertRequest:
     single: Path | None = None
     force: bool = False
     max_shard_bytes: int | None = None
-    link: str = "auto"  # how unchanged files get into the output: io.writer.LINK_MODES
+    link: str = "auto"  # how unchanged files get into the output: write.writer.LINK_MODES
     hashed: bool = True  # sha256 of every source and output file read or written (--no-hash: null in the manifest)
     # role ("single", "target", "assistant") -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
@@ -198,7 +198,7 @@ def _refuse_reconversion(checkpoint: Checkpoint) -> None:
 def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n: None) -> ConvertResult:
     """Writes the planned output under a staging name beside it, then renames it into place.
 
-    The output's lock (io/lock.py) is held throughout: a second writer into the same DST is refused at once.
+    The output's lock (write/lock.py) is held throughout: a second writer into the same DST is refused at once.
 
     Raises:
         OutputError: when writing fails (nothing is left behind), or another process is writing DST.
@@ -313,17 +313,11 @@ def _tensor_record(tensor: TensorPlan) -> dict[str, Any]:
 
 
 def serve_command(plan: ConversionPlan) -> str:
-    """The `vllm serve` line for what was converted (pad-global pins the attention backend, FACTS.md section 4)."""
+    """The `vllm serve` line for what was converted, with the output paths."""
     target, assistant = plan.item(ROLE_TARGET), plan.item(ROLE_ASSISTANT)
     if plan.request.single is not None:
         only = plan.items[0]
         target = only if only.plan.role == ROLE_TARGET else None
         assistant = only if only.plan.role == ROLE_ASSISTANT else None
-    target_path = str(plan.output_dir(target)) if target else "<TARGET converted the same way>"
-    assistant_path = str(plan.output_dir(assistant)) if assistant else "<ASSISTANT converted the same way>"
-    spec = ('{"method": "mtp", "model": "' + assistant_path + f'", "num_speculative_tokens": '
-            f'{DEFAULT_SPECULATIVE_TOKENS}}}')
-    command = f"vllm serve {target_path} --speculative-config '{spec}'"
-    if plan.request.layout == "pad-global":
-        command += " --attention-backend TRITON_ATTN"
-    return command
+    return serve_line(target=str(plan.output_dir(target)) if target else None,
+                      assistant=str(plan.output_dir(assistant)) if assistant else None, layout=plan.request.layout)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .io.checkpoint import INDEX_NAME, SINGLE_NAME
-from .io.safetensors_header import ShardHeader, TensorRef
+from .read.checkpoint import INDEX_NAME, SINGLE_NAME
+from .read.safetensors_header import ShardHeader, TensorRef
 
 ACTION_KEPT = "kept"
 ACTION_SPLIT = "split"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .io.safetensors_header import DTYPES
+from .read.safetensors_header import DTYPES
 
 if TYPE_CHECKING:
     from .plan import TensorPlan

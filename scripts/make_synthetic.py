@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from converter.synthetic import (PRESETS, engine_preset, fp8_quantization_config, modelopt_nvfp4_config,  # noqa: E402
-                                 scale_for_engine, scaled_preset, tiny_preset, write_checkpoint, write_pair)
+from converter.testing.synthetic import (PRESETS, engine_preset, fp8_quantization_config,  # noqa: E402
+                                         modelopt_nvfp4_config, scale_for_engine, scaled_preset, tiny_preset,
+                                         write_checkpoint, write_pair)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from converter.io.checkpoint import INDEX_NAME, read_checkpoint  # noqa: E402
 from converter.layouts import get_layout, layout_names  # noqa: E402
 from converter.plan import CheckpointPlan, TensorPlan, index_document  # noqa: E402
+from converter.read.checkpoint import INDEX_NAME, read_checkpoint  # noqa: E402
 from converter.transforms import apply_transform  # noqa: E402
 
 

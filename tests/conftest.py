@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from converter.cli import main
-from converter.synthetic import tiny_preset, write_checkpoint, write_pair
+from converter.testing.synthetic import tiny_preset, write_checkpoint, write_pair
 
 
 @dataclass(frozen=True)

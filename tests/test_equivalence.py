@@ -7,7 +7,7 @@ global KV head). Checked: one sliding and one full k_eq_v attention block (slidi
 E2B-style full layer with its own v_proj; the whole target forward in transformers 5.23 (default sdpa attention,
 original config vs the homogeneous config the converter writes: head_dim = global_head_dim = D,
 num_global_key_value_heads = num_key_value_heads, attention_k_eq_v kept, RoPE untouched) and in
-converter.reference; the assistant forward (all layers) fed K/V from the target's last sliding / last full
+converter.proof.reference; the assistant forward (all layers) fed K/V from the target's last sliding / last full
 layer, in transformers and in the reference. Negative tests show the check has teeth: deliberately wrong
 transforms give O(1) errors.
 
@@ -51,7 +51,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from transformers.models.gemma4_assistant.configuration_gemma4_assistant import Gemma4AssistantConfig
 from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
 
-from converter import reference as ref
+from converter.proof import reference as ref
 from converter.transforms import pad_head_columns, pad_head_norm, pad_head_rows, replicate_kv_heads
 
 S, F_ = "sliding_attention", "full_attention"

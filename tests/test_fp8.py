@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import load_tensors, read_config
-from converter.synthetic import fp8_quantization_config, tiny_preset, write_pair
+from converter.testing.synthetic import fp8_quantization_config, tiny_preset, write_pair
 from converter.transforms import pad_head_columns, pad_head_rows, replicate_kv_heads
 
 IGNORED = r"re:.*layers\.1\.self_attn\.o_proj"
@@ -37,7 +37,7 @@ def _dequantized(tensors, module):
         return weight.float()
     if scale.dim() == 2 and scale.shape[1] > 1:  # block scales: compressed-tensors' own dequantize
         from compressed_tensors.quantization.lifecycle.forward import dequantize
-        from converter.synthetic import _fp8_block_scheme
+        from converter.testing.synthetic import _fp8_block_scheme
         return dequantize(weight, scale, None, _fp8_block_scheme(BLOCK).weights, dtype=torch.float32)
     return weight.float() * scale.float()
 
@@ -171,7 +171,7 @@ def test_fp8_block_config_is_compressed_tensors_fp8_block_preset():
 
 
 def test_fp8_block_scales_are_one_per_block(tmp_path):
-    from converter.synthetic import write_checkpoint
+    from converter.testing.synthetic import write_checkpoint
     target = write_checkpoint(tmp_path / "t", preset=tiny_preset("31b"), role="target",
                               quantization=fp8_quantization_config("block", block=BLOCK))
     tensors = load_tensors(target)

@@ -24,20 +24,22 @@ import pytest
 import yaml
 from huggingface_hub import ResolvedRevision, constants
 from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, IncompleteSnapshotError,
-                                   LocalEntryNotFoundError, LocalTokenNotFoundError, NotASafetensorsRepoError,
-                                   OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError,
-                                   RevisionResolutionError)
+                                    LocalEntryNotFoundError, LocalTokenNotFoundError, NotASafetensorsRepoError,
+                                    OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError,
+                                    RevisionResolutionError)
 from hf_xet import XetAuthenticationError, XetObjectNotFoundError
 from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo, filter_repo_objects
 
-from converter.card import BASE_MODEL_RELATION, render_card, serve_line
+from converter.advice.report import inspect_checkpoint
 from converter.cli import _common
 from converter.errors import HubError, InputError, UsageError
-from converter.hub import describe_hub_error, open_checkpoint, parse_repo_ref, resolve_source
-from converter.io.checkpoint import INDEX_NAME, MANIFEST_NAME, VERIFICATION_NAME, read_checkpoint
+from converter.hub.card import BASE_MODEL_RELATION, render_card
+from converter.hub.download import open_checkpoint, parse_repo_ref, resolve_source
+from converter.hub.errors import describe_hub_error
+from converter.pairing import serve_line
 from converter.pipeline import ConvertRequest, execute, plan_conversion, serve_command
-from converter.report import inspect_checkpoint
-from converter.synthetic import tiny_preset, write_pair
+from converter.read.checkpoint import INDEX_NAME, MANIFEST_NAME, VERIFICATION_NAME, read_checkpoint
+from converter.testing.synthetic import tiny_preset, write_pair
 
 SHA_MAIN = hashlib.sha1(b"main").hexdigest()
 SHA_V2 = hashlib.sha1(b"v2").hexdigest()
@@ -413,7 +415,7 @@ def test_convert_from_repo_ids_downloads_each_shard_after_planning(sources, tmp_
         assert read_checkpoint(out / role).tensors.keys() == read_checkpoint(sources / role).tensors.keys()
 
 
-HOLD_LOCK = ("import sys; from pathlib import Path; from converter.io.lock import output_lock\n"
+HOLD_LOCK = ("import sys; from pathlib import Path; from converter.write.lock import output_lock\n"
              "with output_lock(Path(sys.argv[1])):\n    print('LOCKED', flush=True); sys.stdin.readline()\n")
 
 

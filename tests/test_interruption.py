@@ -24,13 +24,13 @@ import pytest
 
 from _helpers_robustness import (TARGET_SHARDS, assert_complete_pair_output, copy_pair, error_lines, hash_tree, leftovers,
                                  pristine_pair, run_cli, staging_dir)
-from converter.io.writer import PARTIAL_SUFFIX
+from converter.write.writer import PARTIAL_SUFFIX
 
 SHARD1, SHARD2 = TARGET_SHARDS
 
 _DRIVER = r"""
 import os, signal, sys
-import converter.io.writer as writer
+import converter.write.writer as writer
 import converter.pipeline as pipeline
 from converter.cli import main
 

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from converter.io import writer
+from converter.write import writer
 
 WRITTEN = "written"
 

@@ -1,4 +1,5 @@
-"""converter/reference.py against transformers 5.23's own Gemma 4 modules, an implementation this project does not own.
+"""converter/proof/reference.py against transformers 5.23's own Gemma 4 modules, an implementation this project does
+not own.
 
 Tiny random configs with real Gemma 4 shape rules (sliding d=16 / full D=32, k_eq_v full layers with fewer KV
 heads, proportional RoPE 0.25, sliding window shorter than the sequence). Weights are seeded, at realistic scales:
@@ -29,7 +30,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from transformers.models.gemma4_assistant.configuration_gemma4_assistant import Gemma4AssistantConfig
 from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
 
-from converter import reference as ref
+from converter.proof import reference as ref
 
 SEQ = 12
 WINDOW = 4

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from converter.synthetic import (ENGINE_SCALES, MOE_KERNEL_ALIGNMENT, PRESETS, engine_preset, tiny_preset,
-                                 write_engine_pair, write_pair)
+from converter.testing.synthetic import (ENGINE_SCALES, MOE_KERNEL_ALIGNMENT, PRESETS, engine_preset, tiny_preset,
+                                         write_engine_pair, write_pair)
 
 SERVE_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "vllm027" / "serve_check.py"
 

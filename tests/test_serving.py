@@ -1,4 +1,4 @@
-"""What inspect predicts and recommends for each config dialect x serving environment (converter/serving.py).
+"""What inspect predicts and recommends for each config dialect x serving environment (converter/advice/serving.py).
 
 The expectations are written out by hand from the loader matrix (docs/VLLM_CHECK.md); tests/test_vllm027.py checks
 `predict` against the real stock loader for the rows it runs. `--serving-python` is exercised end to end with
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from converter.io.checkpoint import read_checkpoint
-from converter.report import inspect_checkpoint
-from converter.serving import ServingEnv, predict
+from converter.advice.report import inspect_checkpoint
+from converter.advice.serving import ServingEnv, predict
+from converter.read.checkpoint import read_checkpoint
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
@@ -25,7 +25,7 @@ AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 def forms(tmp_path_factory) -> dict[str, Path]:
     """form name -> target checkpoint: sources in each dialect and this tool's outputs of each layout."""
     from converter.pipeline import ConvertRequest, execute, plan_conversion
-    from converter.synthetic import tiny_preset, write_checkpoint, write_pair
+    from converter.testing.synthetic import tiny_preset, write_checkpoint, write_pair
 
     root = tmp_path_factory.mktemp("forms")
     found: dict[str, Path] = {}

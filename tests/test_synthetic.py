@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from converter.synthetic import PRESETS, assistant_tensors, target_config, target_tensors, tiny_preset, write_checkpoint
 from converter.gemma4 import read_spec
+from converter.testing.synthetic import (PRESETS, assistant_tensors, target_config, target_tensors, tiny_preset,
+                                         write_checkpoint)
 
 
 def _meta_model(model_class, config):

@@ -24,9 +24,9 @@ import pytest
 
 from converter.gemma4 import read_spec
 from converter.pipeline import ConvertRequest, execute, plan_conversion
-from converter.synthetic import tiny_preset, write_pair
+from converter.testing.synthetic import tiny_preset, write_pair
 from _vllm_envs import VllmEnv, _all_envs, _version_key, missing_env
-from converter.serving import AMBIGUOUS
+from converter.advice.serving import AMBIGUOUS
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "scripts" / "vllm027" / "transformers_probe.py"

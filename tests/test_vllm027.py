@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from converter.io.checkpoint import read_checkpoint
-from converter.serving import ServingEnv, config_form, predict
-from converter.synthetic import fp8_quantization_config, modelopt_nvfp4_config, tiny_preset, write_pair
+from converter.advice.serving import ServingEnv, config_form, predict
+from converter.read.checkpoint import read_checkpoint
+from converter.testing.synthetic import fp8_quantization_config, modelopt_nvfp4_config, tiny_preset, write_pair
 
 from _vllm_envs import VllmEnv, find_env
 
@@ -186,7 +186,7 @@ def run_checker(env: VllmEnv, pair: Path, json_path: Path, *options: str) -> tup
 def expected_failure(pair: Path, env: VllmEnv) -> str | None:
     """The stage expected to fail with AmbiguousGlobalPerLayerAttributeError, or None when the row must pass.
 
-    The expectation is what `inspect` predicts (converter/serving.py) for the target's config form in this
+    The expectation is what `inspect` predicts (converter/advice/serving.py) for the target's config form in this
     env, so every row also checks the prediction against the real loader: transformers >= 5.15 turns the flat
     global keys into per_layer_config, and 5.14.1 already raises on a config.json that holds per_layer_config;
     vLLM 0.27.0 reads `head_dim` globally in ModelConfig either way. per-layer output carries the dual keys
@@ -203,7 +203,8 @@ def checkpoint_names(target: Path) -> set[str]:
 
 
 def kv_shared_layers_without_k(target: Path) -> list[int]:
-    """Target KV-shared layers whose k_proj the checkpoint lacks (q-only, as converter.synthetic writes them)."""
+    """Target KV-shared layers whose k_proj the checkpoint lacks (q-only, as converter.testing.synthetic
+    writes them)."""
     config = json.loads((target / "config.json").read_text())
     text = config.get("text_config") or config
     prefix = "model.language_model." if "text_config" in config else "model."

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from converter.synthetic import tiny_preset, write_pair
+from converter.testing.synthetic import tiny_preset, write_pair
 from _vllm_envs import LEGACY_TRANSFORMERS, find_env
 from test_vllm027 import LOADER_PACKAGE, run_checker
 

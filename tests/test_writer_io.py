@@ -15,15 +15,17 @@ from pathlib import Path
 import pytest
 
 from converter.errors import InputError
-from converter.io import writer
-from converter.io.safetensors_header import TensorRef
 from converter.plan import ShardPlan, SourceSlice, TensorPlan
+from converter.read import sequential
+from converter.read.safetensors_header import TensorRef
+from converter.write import writer
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(writer, "BLOCK_BYTES", 4096)
-    monkeypatch.setattr(writer, "READ_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(sequential, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(sequential, "READ_CHUNK_BYTES", 8192)
     monkeypatch.setattr(writer, "PREFETCH_BLOCKS", 2)
 
 
@@ -36,13 +38,13 @@ def _payload(tmp_path: Path, size: int = 50_000, seed: int = 0) -> tuple[Path, b
 
 def test_reader_returns_exact_ranges_and_hashes_the_whole_file(tmp_path, small_blocks):
     path, data = _payload(tmp_path)
-    reader = writer.SequentialReader(path)
+    reader = sequential.SequentialReader(path)
     offset = 7
     for length in (1, 4095, 4096, 4097, 8193, 0, 12_000, 3):
         offset += 13  # gaps are skipped but still hashed
         assert bytes(reader.read(offset, length)) == data[offset:offset + length]
         offset += length
-    view = writer.page_aligned_buffer(5000)
+    view = sequential.page_aligned_buffer(5000)
     reader.fill(offset, view)
     assert bytes(view) == data[offset:offset + 5000]
     assert reader.finish() == hashlib.sha256(data).hexdigest()
@@ -50,7 +52,7 @@ def test_reader_returns_exact_ranges_and_hashes_the_whole_file(tmp_path, small_b
 
 def test_reader_range_blocks_and_out_of_order_read(tmp_path, small_blocks):
     path, data = _payload(tmp_path)
-    reader = writer.SequentialReader(path)
+    reader = sequential.SequentialReader(path)
     assert b"".join(bytes(b) for b in reader.range_blocks(100, 20_000)) == data[100:20_100]
     with pytest.raises(RuntimeError, match="not in source order"):
         reader.read(50, 10)
@@ -59,7 +61,7 @@ def test_reader_range_blocks_and_out_of_order_read(tmp_path, small_blocks):
 def test_reader_names_a_file_that_ends_early(tmp_path, small_blocks):
     path, data = _payload(tmp_path, size=10_000)
     with pytest.raises(InputError, match=f"{path.name}: ended 2000 bytes early"):
-        writer.SequentialReader(path).read(9_000, 3_000)
+        sequential.SequentialReader(path).read(9_000, 3_000)
 
 
 @pytest.mark.parametrize("refuse_direct", [False, True])
@@ -114,7 +116,7 @@ def _shard(path: Path, sizes: list[int]) -> ShardPlan:
 def test_write_shard_streams_copies_through_the_read_ahead_thread(tmp_path, small_blocks):
     path, data = _payload(tmp_path)
     shard = _shard(path, [5000, 0, 16_384, 1, 9000])
-    readers = {path: writer.SequentialReader(path)}
+    readers = {path: sequential.SequentialReader(path)}
     digest = writer.write_shard(tmp_path / "out.safetensors", shard, metadata={}, readers=readers,
                                 render=lambda t, raw: memoryview(raw), on_bytes=lambda n: None)
     written = (tmp_path / "out.safetensors").read_bytes()
@@ -129,7 +131,7 @@ def test_read_ahead_errors_surface_and_no_thread_is_left(tmp_path, small_blocks)
     before = threading.active_count()
     with pytest.raises(InputError, match="ended .* bytes early"):
         writer.write_shard(tmp_path / "a.safetensors", _shard(path, [15_000, 9000]), metadata={},
-                           readers={path: writer.SequentialReader(path)}, render=lambda t, raw: memoryview(raw),
+                           readers={path: sequential.SequentialReader(path)}, render=lambda t, raw: memoryview(raw),
                            on_bytes=lambda n: None)
     assert threading.active_count() == before
 
@@ -143,7 +145,7 @@ def test_a_failing_writer_stops_the_read_ahead_thread(tmp_path, small_blocks):
 
     with pytest.raises(KeyboardInterrupt):
         writer.write_shard(tmp_path / "b.safetensors", _shard(path, [40_000]), metadata={},
-                           readers={path: writer.SequentialReader(path)}, render=lambda t, raw: memoryview(raw),
+                           readers={path: sequential.SequentialReader(path)}, render=lambda t, raw: memoryview(raw),
                            on_bytes=fail)
     assert threading.active_count() == before
 
@@ -186,8 +188,8 @@ def test_copy_file_refuses_a_source_that_changed_size(tmp_path, small_blocks):
 def test_source_file_reads_every_byte_when_part_of_it_is_cached(tmp_path, small_blocks):
     path, data = _payload(tmp_path, size=100_003)
     _evict(path, 30_000, 40_000)
-    source = writer.SourceFile(path)
-    buffer = writer.page_aligned_buffer(8192)
+    source = sequential.SourceFile(path)
+    buffer = sequential.page_aligned_buffer(8192)
     got = bytearray()
     while count := source.readinto(buffer):
         got += buffer[:count]

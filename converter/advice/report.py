@@ -9,14 +9,14 @@ import math
 from collections import Counter
 from typing import Any
 
-from .cost import kv_costs
-from .errors import InputError
-from .gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
-from .io.checkpoint import Checkpoint
-from .layouts import get_layout, layout_names
-from .layouts.base import (AttentionTensor, attention_problems, expected_shape, find_attention_tensors,
-                           layout_from_manifest, scheme_problems)
-from .quantization import weight_scheme
+from ..cost import kv_costs
+from ..errors import InputError
+from ..gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
+from ..layouts import get_layout, layout_names
+from ..layouts.base import (AttentionTensor, attention_problems, expected_shape, find_attention_tensors,
+                            layout_from_manifest, scheme_problems)
+from ..quantization import weight_scheme
+from ..read.checkpoint import Checkpoint
 from .serving import VLLM_027_NEW, VLLM_027_OLD, ServingEnv, config_form, predict, recommend
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
-from .gemma4 import DIALECT_LEGACY, ModelSpec
+from ..errors import UsageError
+from ..gemma4 import DIALECT_LEGACY, ModelSpec
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 

@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .gemma4 import ROLE_TARGET, ModelSpec
-from .layouts.base import AttentionProblem
+from ..gemma4 import ROLE_TARGET, ModelSpec
+from ..layouts.base import AttentionProblem
 
 RAISES, WRONG = "raises", "loads wrong"
 

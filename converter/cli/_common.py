@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ..cost import KvCost, human_bytes
-from ..hub import LocalSource, Purpose, make_api, parse_repo_ref, resolve_source
+from ..hub.download import LocalSource, Purpose, make_api, parse_repo_ref, resolve_source
 
 PATH = click.Path(path_type=Path, file_okay=True, dir_okay=True)
 

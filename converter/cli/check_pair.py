@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from ..errors import VerificationFailed
-from ..hub import LocalSource, open_checkpoint
+from ..hub.download import LocalSource, open_checkpoint
 from ..pairing import check_pair
 from ._common import SOURCE_HEADERS, echo_json
 

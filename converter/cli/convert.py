@@ -7,16 +7,16 @@ from pathlib import Path
 
 import click
 
+from ..advice.serving import recommend
 from ..cost import human_bytes
 from ..errors import UsageError
-from ..hub import LocalSource, Purpose, open_checkpoint
-from ..io.lock import output_lock
-from ..io.writer import LINK_MEANING, LINK_MODES
+from ..hub.download import LocalSource, Purpose, open_checkpoint
 from ..layouts import get_layout, layout_names
 from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertRequest, ConvertResult, execute, plan_conversion,
                         serve_command)
 from ..plan import parse_size
-from ..serving import recommend
+from ..write.lock import output_lock
+from ..write.writer import LINK_MEANING, LINK_MODES
 from ._common import PATH, kv_cost_lines, resolve_cli_source
 
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import click
 
+from ..advice.report import inspect_checkpoint, summarize_layers
+from ..advice.serving import read_serving_env
 from ..cost import KvCost, human_bytes
 from ..errors import InputError
-from ..hub import LocalSource, open_checkpoint
-from ..report import inspect_checkpoint, summarize_layers
-from ..serving import read_serving_env
+from ..hub.download import LocalSource, open_checkpoint
 from ._common import PATH, SOURCE_HEADERS, echo_json, kv_cost_lines
 
 

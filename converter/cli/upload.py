@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..cost import human_bytes
-from ..hub import UploadPlan, UploadRequest, execute_upload, plan_upload
+from ..hub.upload import UploadPlan, UploadRequest, execute_upload, plan_upload
 from ._common import PATH, hub_api
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import click
 
 from ..errors import UsageError, VerificationFailed
-from ..hub import LocalSource
-from ..io.checkpoint import VERIFICATION_NAME
-from ..io.writer import write_json
-from ..verify import VerifyReport, VerifyRequest, load_pairs, verify
+from ..hub.download import LocalSource
+from ..proof.verify import VerifyReport, VerifyRequest, load_pairs, verify
+from ..read.checkpoint import VERIFICATION_NAME
+from ..write.writer import write_json
 from ._common import PATH, SOURCE, resolve_cli_source
 
 

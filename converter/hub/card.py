@@ -15,14 +15,14 @@ from typing import Any, Mapping
 
 import yaml
 
-from . import __version__
-from .cost import human_bytes, kv_costs
-from .errors import InputError, UnsupportedLayoutError, UsageError
-from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
-from .layouts import get_layout
-from .layouts.base import layout_from_manifest
-from .pipeline import DEFAULT_SPECULATIVE_TOKENS
-from .serving import TESTED_TRANSFORMERS, TESTED_VLLM
+from .. import __version__
+from ..advice.serving import TESTED_TRANSFORMERS, TESTED_VLLM
+from ..cost import human_bytes, kv_costs
+from ..errors import InputError, UnsupportedLayoutError, UsageError
+from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
+from ..layouts import get_layout
+from ..layouts.base import layout_from_manifest
+from ..pairing import serve_line
 
 BASE_MODEL_RELATION = "quantized"
 # Keys of the source card's front matter that still hold for the converted weights.
@@ -52,18 +52,6 @@ LAYOUT_WHY = {
         "KV-cache memory (below) and larger weights. The target and its assistant **must both** be pad-global: "
         "mixing layouts computes garbage."),
 }
-
-
-def serve_line(*, target: str | None, assistant: str | None, layout: str) -> str:
-    """The `vllm serve` command for a pair (same format as pipeline.serve_command, with repo ids for paths)."""
-    target_ref = target or "<TARGET converted the same way>"
-    assistant_ref = assistant or "<ASSISTANT converted the same way>"
-    spec = ('{"method": "mtp", "model": "' + assistant_ref + f'", "num_speculative_tokens": '
-            f'{DEFAULT_SPECULATIVE_TOKENS}}}')
-    command = f"vllm serve {target_ref} --speculative-config '{spec}'"
-    if layout == "pad-global":
-        command += " --attention-backend TRITON_ATTN"
-    return command
 
 
 def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] | None, repo_id: str,

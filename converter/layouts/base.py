@@ -9,10 +9,10 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping
 from ..errors import InputError, UnsupportedLayoutError, UsageError
 from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, attention_tensor_name,
                       parse_attention_name, parse_moe_name, without_dual_keys)
-from ..io.checkpoint import Checkpoint
-from ..io.safetensors_header import TensorRef
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
 from ..quantization import MODELOPT, WeightScheme, weight_scheme
+from ..read.checkpoint import Checkpoint
+from ..read.safetensors_header import TensorRef
 
 _REGISTRY: dict[str, type["Layout"]] = {}
 

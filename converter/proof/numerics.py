@@ -14,16 +14,16 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from .gemma4 import FULL, ROLE_ASSISTANT, ROLE_TARGET, text_config_of
-from .io.checkpoint import Checkpoint
-from .io.safetensors_header import TensorRef
-from .io.tensor_reader import read_range
-from .layouts.base import find_attention_tensors
-from .plan import SourceSlice
+from ..gemma4 import FULL, ROLE_ASSISTANT, ROLE_TARGET, text_config_of
+from ..layouts.base import find_attention_tensors
+from ..plan import SourceSlice
+from ..read.checkpoint import Checkpoint
+from ..read.safetensors_header import TensorRef
+from ..read.tensor_reader import read_range
+from ..transforms import decode, pad_head_rows, replicate_kv_heads, torch_dtype
+from .checks import LayerCheck
 from .reference import (AttentionOutput, LayerSpec, assistant_forward, assistant_spec_from_config, attention_block,
                         compare_outputs, rms_norm, text_spec_from_config)
-from .checks import LayerCheck
-from .transforms import decode, pad_head_rows, replicate_kv_heads, torch_dtype
 
 CHECK_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TRUTH_DTYPES = {"bf16": torch.float32, "fp32": torch.float64}

@@ -15,15 +15,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import __version__
+from .. import __version__
+from ..errors import InputError, UsageError
+from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, parse_attention_name
+from ..layouts.base import layout_from_manifest
+from ..pairing import check_pair
+from ..plan import TensorPlan
+from ..read.checkpoint import Checkpoint, read_checkpoint
+from ..read.sequential import SequentialReader
 from .checks import LayerCheck
-from .errors import InputError, UsageError
-from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, parse_attention_name
-from .io.checkpoint import Checkpoint, read_checkpoint
-from .io.writer import SequentialReader
-from .layouts.base import layout_from_manifest
-from .pairing import check_pair
-from .plan import TensorPlan
 
 if TYPE_CHECKING:
     import torch
@@ -143,7 +143,7 @@ def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, Tens
     ones are recomputed whole (one attention tensor at a time). Where the output file IS the source file (a hard or
     symbolic link) the same byte range of the same file needs no reading.
     """
-    from .transforms import render_transform  # torch
+    from ..transforms import render_transform  # torch
 
     problems: list[Problem] = []
     copied = transformed = 0

@@ -1,0 +1,257 @@
+"""Hugging Face Hub sources: `owner/name[@rev]` pinned to one commit, downloaded (or headers only) into the cache.
+
+Anchors: huggingface_hub `HfApi.resolve_revision` (hf_api.py) turns a branch/tag into a commit hash and falls back on
+the cache's `refs/` when offline; `snapshot_download` (_snapshot_download.py) then fetches every file at that one
+hash. safetensors' convert.py fetches the index at `--revision` and the shards at the default branch; we resolve the
+revision once and pass the commit sha to every later call, so one source never mixes revisions (STYLE.md section 10).
+Token, cache and offline mode are huggingface_hub's own: HF_TOKEN (or `hf auth login`), HF_HOME / HF_HUB_CACHE,
+HF_HUB_OFFLINE=1.
+
+This module does I/O and bookkeeping only, never tensor math; a re-run resumes (downloads skip cached blobs).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from .. import __version__
+from ..errors import HubError, InputError
+from ..gemma4 import read_spec
+from ..read.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
+                               VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
+from ..read.safetensors_header import ShardHeader, shard_from_entries
+from .errors import hub_errors, transfer_errors
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+
+# huggingface_hub and httpx2 (~0.5 s to import) are imported where the Hub is used, so that `inspect`, `check-pair`,
+# `--help` on a local path start in a fraction of a second (scripts/bench.py, startup rows).
+
+Purpose = Literal["headers", "full"]
+
+# What a conversion needs besides the weights; only top-level files (IGNORE_PATTERNS), never other formats.
+SMALL_FILE_PATTERNS = (
+    "config.json", "generation_config.json", INDEX_NAME, "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+    "vocab*", "merges.txt", "chat_template*", "processor_config.json", "preprocessor_config.json",
+    "video_preprocessor_config.json", "README*", "LICENSE*", "NOTICE*", "USE_POLICY*", MANIFEST_NAME,
+    VERIFICATION_NAME,
+)
+WEIGHT_PATTERNS = ("*.safetensors",)
+IGNORE_PATTERNS = ("*/*",)  # fnmatch's `*` crosses `/`: keep sub-folders (other formats, originals) out
+
+# owner/name[@revision]; the Hub's own validation (HFValidationError) has the last word on the exact rules
+_REPO_REF = re.compile(r"(?P<repo_id>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[^\s@]+))?")
+
+
+def make_api() -> HfApi:
+    """The HfApi every verb uses unless one is injected (tests inject a fake through the click context)."""
+    from huggingface_hub import HfApi
+
+    return HfApi(library_name="gemma4-convert", library_version=__version__)
+
+
+
+@dataclass(frozen=True)
+class RepoRef:
+    repo_id: str
+    revision: str | None  # None: the default branch
+
+    @property
+    def text(self) -> str:
+        return f"{self.repo_id}@{self.revision}" if self.revision else self.repo_id
+
+
+@dataclass(frozen=True)
+class LocalSource:
+    """A source on this machine: a local directory, or a Hub snapshot folder pinned to one commit."""
+
+    path: Path
+    repo_id: str | None = None
+    revision: str | None = None  # what was asked for ("main" when nothing was)
+    revision_sha: str | None = None  # the one commit every file was fetched at
+    remote_shards: tuple[ShardHeader, ...] | None = None  # headers read over HTTP (weights not on this machine)
+    remote_indexed: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.repo_id}@{self.revision_sha[:12]}" if self.repo_id and self.revision_sha else str(self.path)
+
+    def origin(self) -> dict[str, str]:
+        """What conversion.json records under `source` besides the local path: empty for a local directory."""
+        if self.repo_id is None or self.revision_sha is None:
+            return {}
+        from huggingface_hub import constants
+
+        return {"repo_id": self.repo_id, "revision": self.revision_sha,
+                "requested_revision": self.revision or constants.DEFAULT_REVISION}
+
+
+def parse_repo_ref(text: str) -> RepoRef | None:
+    """`owner/name[@rev]` that is not an existing local path -> RepoRef; anything else -> None (a local path)."""
+    if Path(text).expanduser().exists() or ".." in text:
+        return None
+    match = _REPO_REF.fullmatch(text)
+    if match is None:
+        return None
+    return RepoRef(repo_id=match["repo_id"], revision=match["revision"])
+
+
+def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSource:
+    """Makes SRC usable by read_checkpoint: a local path stays as is, a Hub repo id is fetched at one commit.
+
+    Args:
+        text: a local path, or `owner/name[@revision]` (branch, tag or commit) that is not a local path.
+        purpose: "full" fetches config, weights and side files; "headers" fetches the small files only and reads
+            shard headers with HTTP range requests (`get_safetensors_metadata`), never weights.
+        api: an HfApi (default make_api()); tests pass a fake.
+
+    Returns:
+        LocalSource; open_checkpoint() turns it into a Checkpoint.
+
+    Raises:
+        HubError: repo, revision or token problems, network down, or offline with the files not cached.
+        InputError: the repo is not a safetensors checkpoint.
+    """
+    ref = parse_repo_ref(text)
+    if ref is None:
+        return LocalSource(path=Path(text).expanduser())
+    from huggingface_hub import constants
+
+    api = api if api is not None else make_api()
+    with hub_errors(ref.text):
+        sha = _resolve_sha(api, ref)
+        folder = Path(api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(SMALL_FILE_PATTERNS),
+                                            ignore_patterns=list(IGNORE_PATTERNS),
+                                            local_files_only=constants.is_offline_mode()))
+    if purpose == "full":
+        _download_weights(api, ref, sha, folder)
+    source = LocalSource(path=folder, repo_id=ref.repo_id, revision=ref.revision or constants.DEFAULT_REVISION,
+                         revision_sha=sha)
+    missing = _missing_files(folder)
+    if not missing:
+        return source
+    if purpose == "full" or constants.is_offline_mode():
+        _raise_incomplete(source, missing, weights=purpose == "full")
+    with hub_errors(ref.text):
+        shards, indexed = _remote_shards(api, ref.repo_id, sha, folder)
+    return LocalSource(path=folder, repo_id=ref.repo_id, revision=source.revision, revision_sha=sha,
+                       remote_shards=shards, remote_indexed=indexed)
+
+
+def _download_weights(api: Any, ref: RepoRef, sha: str, folder: Path) -> None:
+    """The weights, one file per call so that a failure names its file: the shards the index names, else
+    model.safetensors; a repo with neither gets every top-level *.safetensors in one snapshot call."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    offline = constants.is_offline_mode()
+    cache = Path(constants.HF_HUB_CACHE)
+    for name in _indexed_shards(folder):
+        if (folder / name).is_file() or offline:
+            continue  # cached; or offline, where resolve_source names the first missing file and why
+        try:
+            with transfer_errors(ref.text, name, cache=cache):
+                api.hf_hub_download(ref.repo_id, name, revision=sha)
+        except HubError as exc:
+            if name != SINGLE_NAME or not isinstance(exc.__cause__, RemoteEntryNotFoundError):
+                raise
+            with transfer_errors(ref.text, "*.safetensors", cache=cache):  # unindexed, not model.safetensors
+                api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(WEIGHT_PATTERNS),
+                                      ignore_patterns=list(IGNORE_PATTERNS), local_files_only=offline)
+
+
+def _indexed_shards(folder: Path) -> list[str]:
+    """Plain shard names from the snapshot's index ([model.safetensors] without one; [] for an index
+    read_checkpoint will reject, or no config: it reports those as a bad checkpoint)."""
+    if not (folder / "config.json").is_file():
+        return []
+    index_path = folder / INDEX_NAME
+    if not index_path.is_file():
+        return [SINGLE_NAME]
+    try:
+        names = sorted(set(json.loads(index_path.read_text(encoding="utf-8")).get("weight_map", {}).values()))
+    except (ValueError, AttributeError, TypeError):
+        return []
+    return [name for name in names if isinstance(name, str) and Path(name).name == name]
+
+
+def _resolve_sha(api: Any, ref: RepoRef) -> str:
+    from huggingface_hub import constants
+    # local_files_only when offline: the same cache lookup without a "could not reach the Hub" warning per source
+    resolved = api.resolve_revision(ref.repo_id, revision=ref.revision, local_files_only=constants.is_offline_mode())
+    return str(resolved.resolved)  # str(ResolvedRevision) is the name asked for, not the sha
+
+
+def _missing_files(folder: Path) -> list[str]:
+    """Files the snapshot should hold for read_checkpoint but does not (config first, then weights)."""
+    if not (folder / "config.json").is_file():
+        return ["config.json"]
+    index_path = folder / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8")).get("weight_map", {})
+            names = sorted(set(weight_map.values()))
+        except (ValueError, AttributeError, TypeError):
+            return []  # read_checkpoint names the broken index itself
+        return [name for name in names if Path(name).name == name and not (folder / name).is_file()]
+    return [] if (folder / SINGLE_NAME).is_file() or any(folder.glob("*.safetensors")) else [SINGLE_NAME]
+
+
+def _raise_incomplete(source: LocalSource, missing: list[str], *, weights: bool) -> None:
+    from huggingface_hub import constants
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    where = f"{source.label}: {missing[0]}{more} not in {source.path}"
+    if constants.is_offline_mode():
+        raise HubError(f"{where}; HF_HUB_OFFLINE=1 allows only cached files: "
+                       f"rerun without HF_HUB_OFFLINE to {'download' if weights else 'read'} it")
+    if missing == ["config.json"] or missing == [SINGLE_NAME]:
+        return  # online and the repo itself lacks it: read_checkpoint reports a bad input checkpoint (exit 3)
+    raise HubError(f"{where}: the download did not complete (network down?); rerun to resume")
+
+
+def _remote_shards(api: Any, repo_id: str, sha: str, folder: Path) -> tuple[tuple[ShardHeader, ...], bool]:
+    """Shard headers over HTTP range requests plus file sizes from the tree: no weight byte is downloaded."""
+    metadata = api.get_safetensors_metadata(repo_id, revision=sha)
+    names = sorted(metadata.files_metadata)
+    sizes = {info.path: info.size for info in api.get_paths_info(repo_id, names, revision=sha)}
+    shards = tuple(_shard_from_metadata(folder / name, metadata.files_metadata[name], sizes.get(name))
+                   for name in names)
+    check_weight_map(folder, shards, dict(metadata.weight_map))
+    return shards, bool(metadata.sharded)
+
+
+def _shard_from_metadata(path: Path, metadata: Any, size: int | None) -> ShardHeader:
+    entries = {name: {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": list(info.data_offsets)}
+               for name, info in metadata.tensors.items()}
+    end = max((int(entry["data_offsets"][1]) for entry in entries.values()), default=0)
+    if size is None or size - end < 8:
+        raise InputError(f"{path.name}: the Hub reports {size} bytes but its tensors end at data offset {end}")
+    # safetensors files end exactly where the last tensor's bytes end
+    return shard_from_entries(path, entries, data_start=size - end, size=size, metadata=dict(metadata.metadata or {}))
+
+
+def open_checkpoint(source: LocalSource) -> Checkpoint:
+    """The Checkpoint of a resolved source: read_checkpoint for local files, else config + remote headers.
+
+    Raises:
+        InputError: as read_checkpoint.
+    """
+    if source.remote_shards is None:
+        return read_checkpoint(source.path)
+    config_path = source.path / "config.json"
+    config = read_json(config_path)
+    if not isinstance(config, dict):
+        raise InputError(f"{config_path}: expected a JSON object")
+    spec = read_spec(config, source=f"{source.label}/config.json")
+    manifest_path = source.path / MANIFEST_NAME
+    side_files = tuple(sorted(p.name for p in source.path.iterdir()
+                              if p.is_file() and not p.name.startswith(".") and p.name not in NOT_COPIED_NAMES
+                              and not p.name.endswith(NOT_COPIED_SUFFIXES)))
+    return Checkpoint(path=source.path, config=config, spec=spec, shards=source.remote_shards,
+                      indexed=source.remote_indexed, side_files=side_files,
+                      manifest=read_json(manifest_path) if manifest_path.exists() else None)
