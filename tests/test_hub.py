@@ -30,6 +30,7 @@ from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidation
 from hf_xet import XetAuthenticationError, XetObjectNotFoundError
 from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo, filter_repo_objects
 
+from converter.advice.compat import load_ledger
 from converter.advice.report import inspect_checkpoint
 from converter.cli import _common
 from converter.errors import HubError, InputError, UsageError
@@ -520,6 +521,18 @@ def test_card_front_matter_serve_line_kv_cost_and_verification(converted):
             "noise floor (target layer 1; allowed x2)") in body
     assert "| target layer 0 | 1.000e-03 | 2.000e-03 | 1.000e-03 | 0.999990 | 1.000e-03 | x1.00 | x2 | ok |" in body
     assert "`README.source.md`" in body
+
+
+def test_card_quotes_the_ledger_rows_of_its_layout(converted):
+    manifest = json.loads((converted / "target" / MANIFEST_NAME).read_text())
+    card = render_card(manifest=manifest, verification=verification_doc(), repo_id="me/t", target_repo="me/t",
+                       assistant_repo="me/a", base_model=None)
+    section = card.split("## Proven with stock vLLM\n", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in load_ledger() if r.variant == "pad-global"]
+    assert rows, "the ledger holds no pad-global row"
+    for row in rows:
+        assert f"| {row.check} | {row.vllm}" in section and f"| {row.transformers} |" in section
+    assert "| loader | 0.27.0 |" in section and "| engine | 0.27.0 |" in section
 
 
 def test_card_for_an_assistant_without_verification_or_base_model(converted):

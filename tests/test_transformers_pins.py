@@ -22,11 +22,15 @@ from pathlib import Path
 
 import pytest
 
+from converter.advice.serving import AMBIGUOUS
 from converter.gemma4 import read_spec
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.testing.synthetic import tiny_preset, write_pair
+
 from _vllm_envs import VllmEnv, _all_envs, _version_key, missing_env
-from converter.advice.serving import AMBIGUOUS
+
+# needs the vLLM envs of four transformers releases: `make compat` runs it (docs/COMPATIBILITY.md)
+pytestmark = pytest.mark.compat
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "scripts" / "vllm027" / "transformers_probe.py"

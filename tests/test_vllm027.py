@@ -6,6 +6,10 @@ The matrix tests (marker ``vllm027``) write tiny synthetic pairs, convert them w
 the checker's --json result: which stage failed and with which exception, or that every loaded
 tensor matched and the KV-sharing geometry is consistent.
 
+The cases and rows are converter/testing/cases.py's. `make test` runs the rows marked ci (the 31B multimodal pair
+on 0.27.0 under both transformers generations); `make compat` runs every row and records each into the ledger
+(tests/_ledger.py, docs/COMPATIBILITY.md).
+
 Where the venvs are, and what happens without them: tests/_vllm_envs.py.
 
 The unmarked tests at the end check the checker's pure mapping functions in the project venv
@@ -17,18 +21,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from converter.advice.compat import CHECK_LOADER, FAIL, PASS, LedgerRow
 from converter.advice.serving import ServingEnv, config_form, predict
+from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.synthetic import fp8_quantization_config, modelopt_nvfp4_config, tiny_preset, write_pair
+from converter.testing.cases import (CONVERSIONS, LOADER_ROWS, MIXED, ORIGINAL, SOURCES, LoaderRow, Source,
+                                     build_loader_case)
+from converter.testing.synthetic import tiny_preset
 
+from _ledger import record, skip_if_unchanged, today
 from _vllm_envs import VllmEnv, find_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,65 +51,6 @@ CHECK_TIMEOUT_S = 600
 def loader_env(vllm: str, transformers: str) -> VllmEnv:
     """The `vllm` env for one row; a missing one skips that row (fails it in CI)."""
     return find_env(LOADER_PACKAGE, vllm, transformers)
-
-
-# ------------------------------------------------------------------------------------ pairs
-
-@dataclass(frozen=True)
-class Source:
-    preset: str
-    dialect: str
-    multimodal: bool
-    num_shards: int
-    fp8: str | None = None  # compressed-tensors weight strategy
-    unified: bool = False  # gemma4_unified + gemma4_unified_assistant
-    nvfp4: bool = False  # Model Optimizer NVFP4 MLP, attention excluded
-
-    @property
-    def quantization(self) -> dict | None:
-        if self.nvfp4:
-            return modelopt_nvfp4_config()
-        return fp8_quantization_config(self.fp8, block=FP8_BLOCK) if self.fp8 else None
-
-    @property
-    def loaders_only(self) -> bool:
-        """vLLM 0.27 selects no CPU GEMM kernel for these linear layers: the check stands in for it and compares
-        the tensors as the weight loaders left them (scripts/vllm027/loader_only.py)."""
-        return self.nvfp4 or self.fp8 == "block"
-
-    @property
-    def checker_args(self) -> tuple[str, ...]:
-        # vLLM's modelopt_fp4 accepts bf16/fp16 activations only (ModelOptNvFp4Config.get_supported_act_dtypes);
-        # the bf16 checkpoint loads bit-exactly in bf16
-        return ("--dtype", "bfloat16") if self.nvfp4 else ()
-
-
-SOURCES = {
-    # 31B ratios (d=16/D=32, 16->4 global KV heads, k_eq_v), gemma4 wrapper with vision tower, 2 shards + index
-    "31b-mm-2shards": Source("31b", "legacy", multimodal=True, num_shards=2),
-    # the transformers >= 5.15 dialect (per_layer_config, no flat global keys) as the input
-    "31b-per-layer-config": Source("31b", "per_layer_config", multimodal=False, num_shards=1),
-    # E2B ratios: KV-shared target tail, per-layer input embeddings, ordered-embedding assistant
-    "e2b": Source("e2b", "legacy", multimodal=False, num_shards=1),
-    # compressed-tensors FP8 target (per-channel scales), like RedHatAI/gemma-4-31B-it-FP8-dynamic
-    "31b-fp8": Source("31b", "legacy", multimodal=False, num_shards=2, fp8="channel"),
-    # compressed-tensors FP8 block scales (8x8 at the tiny head_dim 16), like RedHatAI/gemma-4-31B-it-FP8-block
-    "31b-fp8-block": Source("31b", "legacy", multimodal=False, num_shards=2, fp8="block"),
-    # Model Optimizer NVFP4 MLP with every self_attn module excluded, like nvidia/Gemma-4-31B-IT-NVFP4
-    "31b-nvfp4": Source("31b", "legacy", multimodal=False, num_shards=2, nvfp4=True),
-    # 26B-A4B ratios with its MoE block (fused experts, router): vLLM splits gate_up_proj into w1/w3 per expert;
-    # the comparison covers every expert parameter (nothing missing or unexpected)
-    "26b-a4b-moe": Source("26b-a4b", "legacy", multimodal=True, num_shards=2),
-    # multimodal, config re-saved by transformers 5.23 (zero-cost to read: vision rope "axial" written back)
-    "31b-mm-resaved": Source("31b", "per_layer_config", multimodal=True, num_shards=2),
-    # gemma4_unified (12B family: encoder-free vision embedder) with gemma4_unified_assistant
-    "31b-unified": Source("31b", "legacy", multimodal=True, num_shards=2, unified=True),
-}
-VARIANTS = ("original", "per-layer", "pad-global")
-FP8_BLOCK = (8, 8)
-FLAT_KEYS_ONLY = "per-layer-flat-keys-only"  # per-layer --flat-keys-only (the bare flat keys)
-CONVERSIONS = {"per-layer": ("per-layer",), FLAT_KEYS_ONLY: ("per-layer", "--flat-keys-only"),
-               "pad-global": ("pad-global",)}
 
 
 def cpu_has_amx() -> bool:
@@ -141,33 +89,17 @@ def assert_kernel_refusals(stand_ins: list[dict], source: Source, target: Path) 
     assert stand_ins[0]["layers"] == quantized_linear_layers(target) > 0
 
 
-def _convert_cli() -> list[str]:
-    script = Path(sys.executable).parent / "gemma4-convert"
-    return [str(script)] if script.exists() else [shutil.which("gemma4-convert") or "gemma4-convert"]
-
-
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """(source, variant) -> directory holding target/ and assistant/."""
+def pairs(tmp_path_factory):
+    """get(source, variant) -> directory holding target/ and assistant/ (each source written and converted once)."""
     root = tmp_path_factory.mktemp("vllm027")
-    out: dict[tuple[str, str], Path] = {}
-    for name, src in SOURCES.items():
-        original = root / name / "original"
-        write_pair(original, preset=tiny_preset(src.preset), dialect=src.dialect, multimodal=src.multimodal,
-                   num_shards=src.num_shards, unified=src.unified, quantization=src.quantization)
-        out[(name, "original")] = original
-        for variant, (layout, *options) in CONVERSIONS.items():
-            if variant == FLAT_KEYS_ONLY and name != "31b-mm-2shards":
-                continue  # the bare flat keys are the legacy source's keys: one source shows them
-            dst = root / name / variant
-            proc = subprocess.run(
-                [*_convert_cli(), "convert", "--target", str(original / "target"),
-                 "--assistant", str(original / "assistant"), "--out", str(dst), "--layout", layout, *options],
-                capture_output=True, text=True, timeout=600,
-            )
-            assert proc.returncode == 0, f"convert {name} --layout {layout}: {proc.stderr.strip()}"
-            out[(name, variant)] = dst
-    return out
+    built: dict[str, dict[str, Path]] = {}
+
+    def get(name: str, variant: str) -> Path:
+        if name not in built:
+            built[name] = build_loader_case(name, root)
+        return built[name][variant]
+    return get
 
 
 def run_checker(env: VllmEnv, pair: Path, json_path: Path, *options: str) -> tuple[int, dict, str]:
@@ -234,42 +166,67 @@ def assert_kv_sharing_consistent(result: dict, source: Source) -> None:
 
 # ------------------------------------------------------------------------------------ the matrix
 
-# Negative control: a pad-global target beside the ORIGINAL assistant loads and every tensor
-# matches, but the draft's head sizes differ from the target layers whose KV cache they read.
-MIXED = "pad-global target + original assistant"
-# Rows are chosen for the CI budget (~20 s each, docs/VLLM_CHECK.md "The test matrix"): the full source x layout
-# grid where users are today (vLLM 0.27.0 under transformers 5.14.1 and the newest); the zero-cost per-layer layout
-# and its control at the transformers boundary (5.15.0) and in between (5.19.0); every layout once on 0.27.1 (its
-# Gemma 4 files are byte-identical to 0.27.0) and on 0.28.0, which reads per-layer configs itself, under both
-# transformers generations, plus the per_layer_config source there and the KV-shared E2B pair.
-ROWS = ([(s, v, "0.27.0", t) for s in SOURCES for v in VARIANTS for t in ("5.14.1", "newest")]
-        + [("31b-mm-2shards", FLAT_KEYS_ONLY, "0.27.0", t) for t in ("5.14.1", "newest")]
-        + [("31b-mm-2shards", MIXED, "0.27.0", "5.14.1")]
-        + [(s, v, "0.27.0", t) for t in ("5.15.0", "5.19.0")
-           for s, v in (("31b-mm-2shards", "original"), ("31b-mm-2shards", "per-layer"),
-                        ("31b-per-layer-config", "per-layer"))]
-        + [("31b-mm-2shards", v, "0.27.1", "newest") for v in VARIANTS]
-        + [(s, v, "0.28.0", t) for t in ("5.14.1", "newest")
-           for s, v in [("31b-mm-2shards", v) for v in VARIANTS]
-           + [("31b-per-layer-config", "original"), ("e2b", "per-layer")]])
-
-
-def _pair_dir(pairs: dict, tmp_path: Path, source_name: str, variant: str) -> Path:
+def _pair_dir(pairs, tmp_path: Path, source_name: str, variant: str) -> Path:
     if variant != MIXED:
-        return pairs[(source_name, variant)]
+        return pairs(source_name, variant)
     mixed = tmp_path / "mixed"
     mixed.mkdir()
-    (mixed / "target").symlink_to(pairs[(source_name, "pad-global")] / "target")
-    (mixed / "assistant").symlink_to(pairs[(source_name, "original")] / "assistant")
+    (mixed / "target").symlink_to(pairs(source_name, "pad-global") / "target")
+    (mixed / "assistant").symlink_to(pairs(source_name, ORIGINAL) / "assistant")
     return mixed
 
 
+def _row_params(rows: tuple[LoaderRow, ...]) -> list:
+    """CI runs the rows marked ci; the rest carry the `compat` marker (`make compat` runs them into the ledger)."""
+    return [pytest.param(r, id=r.id, marks=() if r.ci else pytest.mark.compat) for r in rows]
+
+
+def _ledger_row(row: LoaderRow, env: VllmEnv, digest: str, *, verdict: str, expected: str, detail: str,
+                figures: dict) -> LedgerRow:
+    layout, *options = CONVERSIONS.get(row.variant, (row.variant,))
+    return LedgerRow(case=row.source, form=SOURCES[row.source].form, layout=layout, options=" ".join(options),
+                     vllm=env.vllm, transformers=env.transformers, torch=env.torch, torch_pin=env.torch_pin,
+                     check=CHECK_LOADER, verdict=verdict, expected=expected, digest=digest, measured=today(),
+                     vllm_package=env.package, detail=detail, figures=figures)
+
+
+def _loader_verdict(code: int, result: dict) -> str:
+    sides = [result.get(side) for side in ("target", "draft")]
+    equal = all(s is not None and s["compared"] > 0
+                and (s["mismatched"], s["missing"], s["unexpected"]) == (0, [], []) for s in sides)
+    return PASS if code == 0 and result["stage_failed"] is None and not result["checks_failed"] and equal else FAIL
+
+
+def _loader_figures(result: dict) -> dict:
+    figures = {f"{side}_compared": (result.get(side) or {}).get("compared", 0) for side in ("target", "draft")}
+    figures["mismatched"] = sum((result.get(side) or {}).get("mismatched", 0) for side in ("target", "draft"))
+    figures["kv_sharing_ok"] = bool(result["kv_sharing"]) and all(r["ok"] for r in result["kv_sharing"])
+    return figures
+
+
+def _expectation(source: Source, pair: Path, env: VllmEnv) -> tuple[str | None, list[int], str]:
+    """(stage expected to fail on the config, q-only KV-shared layers, the row's standing caveat)."""
+    q_only = kv_shared_layers_without_k(pair / "target")
+    caveat = ""
+    if source.loaders_only:
+        caveat = "weights compared as vLLM's loaders left them: vLLM 0.27 has no CPU kernel for this scheme"
+    if q_only:
+        caveat = (f"draft only: the synthetic target's KV-shared layers {q_only} are q-only (published checkpoints "
+                  "carry the k_proj/v_proj/k_norm vLLM 0.27 requires)")
+    return expected_failure(pair, env), q_only, caveat
+
+
 @pytest.mark.vllm027
-@pytest.mark.parametrize(("source_name", "variant", "vllm", "transformers"), ROWS,
-                         ids=lambda v: v.replace(" ", ""))
-def test_stock_vllm_load(pairs, tmp_path, source_name, variant, vllm, transformers):
-    source, env = SOURCES[source_name], loader_env(vllm, transformers)
+@pytest.mark.parametrize("row", _row_params(LOADER_ROWS))
+def test_stock_vllm_load(pairs, tmp_path, row):
+    source_name, variant, vllm = row.source, row.variant, row.vllm
+    source, env = SOURCES[source_name], loader_env(vllm, row.transformers)
     pair = _pair_dir(pairs, tmp_path, source_name, variant)
+    digest = pair_digest(pair / "target", pair / "assistant") if variant != MIXED else ""
+    failing_stage, q_only, caveat = _expectation(source, pair, env) if variant != MIXED else (None, [], "")
+    if variant != MIXED:
+        skip_if_unchanged(_ledger_row(row, env, digest, verdict=PASS, expected=PASS, detail="", figures={}).key,
+                          digest, env.torch)
     options = (*source.checker_args, *(("--loaders-only",) if source.loaders_only else ()))
     code, result, output = run_checker(env, pair, tmp_path / "result.json", *options)
     assert result["versions"]["vllm"] == vllm
@@ -283,7 +240,12 @@ def test_stock_vllm_load(pairs, tmp_path, source_name, variant, vllm, transforme
         assert bad and all(r["draft"] != r["target"] for r in bad)
         return
 
-    failing_stage = expected_failure(pair, env)
+    verdict = _loader_verdict(code, result)
+    failure = f"{result['stage_failed']}: {result['error_type']}: {(result.get('error') or '').splitlines()[0][:160]}" \
+        if result["stage_failed"] else ""
+    record(_ledger_row(row, env, digest, verdict=verdict, expected=FAIL if failing_stage or q_only else PASS,
+                       detail="; ".join(d for d in (failure, caveat) if d), figures=_loader_figures(result)))
+
     if failing_stage is not None:
         # the bug the converter fixes: stock 0.27.0 cannot even parse the config
         assert (code, result["stage_failed"], result["error_type"]) == (2, failing_stage, AMBIGUOUS), output[-4000:]
@@ -294,7 +256,6 @@ def test_stock_vllm_load(pairs, tmp_path, source_name, variant, vllm, transforme
         assert result["compared_at"] == "weight_loaders"
         assert_kernel_refusals(result["kernel_stand_ins"], source, pair / "target")
 
-    q_only = kv_shared_layers_without_k(pair / "target")
     if q_only:
         # vLLM 0.27.0 builds k_norm/qkv_proj on every target layer and its loader raises when the
         # checkpoint lacks them; published E2B checkpoints carry them (transformers 5.14.1
@@ -318,10 +279,11 @@ def test_stock_vllm_load(pairs, tmp_path, source_name, variant, vllm, transforme
 # (FP8 block: the last statement of CompressedTensorsW8A8Fp8.create_weights; NVFP4: ModelOptNvFp4LinearMethod's
 # constructor), which keeps true what docs/VLLM_CHECK.md says the loaders-only rows do not exercise.
 @pytest.mark.vllm027
+@pytest.mark.compat
 @pytest.mark.parametrize("source_name", [name for name, src in SOURCES.items() if src.loaders_only])
 def test_stock_kernel_selection_refuses_on_this_cpu(pairs, tmp_path, source_name):
     source, env = SOURCES[source_name], loader_env("0.27.0", "5.14.1")
-    code, result, output = run_checker(env, pairs[(source_name, "original")], tmp_path / "result.json",
+    code, result, output = run_checker(env, pairs(source_name, ORIGINAL), tmp_path / "result.json",
                                        *source.checker_args)
     assert (code, result["stage_failed"], result["error_type"]) == (2, "load_target", "ValueError"), output[-4000:]
     assert kernel_refusal(source)[1] in result["error"]

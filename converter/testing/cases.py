@@ -1,0 +1,274 @@
+"""The proof's cases: which synthetic pairs the stock vLLM loader and engine run, in which conversions, on which
+releases; and how to build each one (docs/COMPATIBILITY.md).
+
+One definition serves three readers: the loader and engine tests (tests/test_vllm027.py, tests/test_engine027.py)
+parametrize over it, `make compat` records each row into the ledger (converter/advice/ledger.json), and CI rebuilds
+every case here and compares its digest with the ledger's (tests/test_ledger.py) without starting vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .synthetic import fp8_quantization_config, modelopt_nvfp4_config, tiny_preset, write_engine_pair, write_pair
+
+ORIGINAL = "original"
+LAYOUTS = ("per-layer", "pad-global")
+VARIANTS = (ORIGINAL, *LAYOUTS)
+FLAT_KEYS_ONLY = "per-layer-flat-keys-only"  # per-layer --flat-keys-only (the bare flat keys)
+CONVERSIONS = {"per-layer": ("per-layer",), FLAT_KEYS_ONLY: ("per-layer", "--flat-keys-only"),
+               "pad-global": ("pad-global",)}
+LEGACY_TRANSFORMERS = "5.14.1"
+NEWEST = "newest"  # the newest transformers 5.x the package index serves when the env is built
+FP8_BLOCK = (8, 8)
+
+
+# ------------------------------------------------------------------------------------ loader cases
+
+@dataclass(frozen=True)
+class Source:
+    """A tiny synthetic pair with real Gemma 4 names and ratios, as one of the published checkpoints is shaped."""
+
+    preset: str
+    dialect: str
+    multimodal: bool
+    num_shards: int
+    fp8: str | None = None  # compressed-tensors weight strategy
+    unified: bool = False  # gemma4_unified + gemma4_unified_assistant
+    nvfp4: bool = False  # Model Optimizer NVFP4 MLP, attention excluded
+
+    @property
+    def quantization(self) -> dict | None:
+        if self.nvfp4:
+            return modelopt_nvfp4_config()
+        return fp8_quantization_config(self.fp8, block=FP8_BLOCK) if self.fp8 else None
+
+    @property
+    def loaders_only(self) -> bool:
+        """vLLM 0.27 selects no CPU GEMM kernel for these linear layers: the check stands in for it and compares
+        the tensors as the weight loaders left them (scripts/vllm027/loader_only.py)."""
+        return self.nvfp4 or self.fp8 == "block"
+
+    @property
+    def checker_args(self) -> tuple[str, ...]:
+        # vLLM's modelopt_fp4 accepts bf16/fp16 activations only (ModelOptNvFp4Config.get_supported_act_dtypes);
+        # the bf16 checkpoint loads bit-exactly in bf16
+        return ("--dtype", "bfloat16") if self.nvfp4 else ()
+
+    @property
+    def form(self) -> str:
+        """The source's form in a few words (the ledger's `form` column)."""
+        parts = [self.preset, f"{self.dialect} config", "multimodal" if self.multimodal else "text-only",
+                 f"{self.num_shards} shard{'s' if self.num_shards > 1 else ''}"]
+        if self.fp8:
+            parts.append(f"fp8 {self.fp8}")
+        if self.nvfp4:
+            parts.append("nvfp4")
+        if self.unified:
+            parts.append("gemma4_unified")
+        return ", ".join(parts)
+
+
+SOURCES = {
+    # 31B ratios (d=16/D=32, 16->4 global KV heads, k_eq_v), gemma4 wrapper with vision tower, 2 shards + index
+    "31b-mm-2shards": Source("31b", "legacy", multimodal=True, num_shards=2),
+    # the transformers >= 5.15 dialect (per_layer_config, no flat global keys) as the input
+    "31b-per-layer-config": Source("31b", "per_layer_config", multimodal=False, num_shards=1),
+    # E2B ratios: KV-shared target tail, per-layer input embeddings, ordered-embedding assistant
+    "e2b": Source("e2b", "legacy", multimodal=False, num_shards=1),
+    # compressed-tensors FP8 target (per-channel scales), like RedHatAI/gemma-4-31B-it-FP8-dynamic
+    "31b-fp8": Source("31b", "legacy", multimodal=False, num_shards=2, fp8="channel"),
+    # compressed-tensors FP8 block scales (8x8 at the tiny head_dim 16), like RedHatAI/gemma-4-31B-it-FP8-block
+    "31b-fp8-block": Source("31b", "legacy", multimodal=False, num_shards=2, fp8="block"),
+    # Model Optimizer NVFP4 MLP with every self_attn module excluded, like nvidia/Gemma-4-31B-IT-NVFP4
+    "31b-nvfp4": Source("31b", "legacy", multimodal=False, num_shards=2, nvfp4=True),
+    # 26B-A4B ratios with its MoE block (fused experts, router): vLLM splits gate_up_proj into w1/w3 per expert;
+    # the comparison covers every expert parameter (nothing missing or unexpected)
+    "26b-a4b-moe": Source("26b-a4b", "legacy", multimodal=True, num_shards=2),
+    # multimodal, config re-saved by transformers (zero-cost to read: vision rope "axial" written back)
+    "31b-mm-resaved": Source("31b", "per_layer_config", multimodal=True, num_shards=2),
+    # gemma4_unified (12B family: encoder-free vision embedder) with gemma4_unified_assistant
+    "31b-unified": Source("31b", "legacy", multimodal=True, num_shards=2, unified=True),
+}
+
+# Negative control: a pad-global target beside the ORIGINAL assistant loads and every tensor matches, but the
+# draft's head sizes differ from the target layers whose KV cache they read. Not a ledger row: it proves the check.
+MIXED = "pad-global target + original assistant"
+
+
+@dataclass(frozen=True)
+class LoaderRow:
+    """One stock-loader check: a case in one variant, in the `vllm` env of one release and transformers."""
+
+    source: str
+    variant: str  # ORIGINAL, a layout, FLAT_KEYS_ONLY or MIXED
+    vllm: str
+    transformers: str  # a release, or NEWEST
+    ci: bool = False  # also run by CI's live subset (`make test`), not only by `make compat`
+
+    @property
+    def id(self) -> str:
+        return "-".join((self.source, self.variant.replace(" ", ""), self.vllm, self.transformers))
+
+
+_CI_SOURCE = "31b-mm-2shards"
+_BOTH = (LEGACY_TRANSFORMERS, NEWEST)
+
+# The full grid where users are today (vLLM 0.27.0 under transformers 5.14.1 and the newest); the zero-cost
+# per-layer layout and its control at the transformers boundary (5.15.0) and in between (5.19.0); every layout
+# on 0.27.1 (its Gemma 4 files are byte-identical to 0.27.0) and on 0.28.0, which reads per-layer configs itself,
+# under both transformers generations, plus the per_layer_config source there and the KV-shared E2B pair.
+# CI's live subset: the 31B multimodal pair in every variant on 0.27.0 under both generations, and the control.
+LOADER_ROWS: tuple[LoaderRow, ...] = tuple(
+    [LoaderRow(s, v, "0.27.0", t, ci=(s == _CI_SOURCE)) for s in SOURCES for v in VARIANTS for t in _BOTH]
+    + [LoaderRow(_CI_SOURCE, FLAT_KEYS_ONLY, "0.27.0", t) for t in _BOTH]
+    + [LoaderRow(_CI_SOURCE, MIXED, "0.27.0", LEGACY_TRANSFORMERS, ci=True)]
+    + [LoaderRow(s, v, "0.27.0", t) for t in ("5.15.0", "5.19.0")
+       for s, v in ((_CI_SOURCE, ORIGINAL), (_CI_SOURCE, "per-layer"), ("31b-per-layer-config", "per-layer"))]
+    + [LoaderRow(_CI_SOURCE, v, "0.27.1", NEWEST) for v in VARIANTS]
+    + [LoaderRow(s, v, "0.28.0", t) for t in _BOTH
+       for s, v in [(_CI_SOURCE, v) for v in VARIANTS] + [("31b-per-layer-config", ORIGINAL), ("e2b", "per-layer")]]
+)
+
+
+def convert_cli() -> list[str]:
+    """The installed `gemma4-convert` beside this interpreter (the tests and `make compat` run the real CLI)."""
+    script = Path(sys.executable).parent / "gemma4-convert"
+    return [str(script)] if script.exists() else [shutil.which("gemma4-convert") or "gemma4-convert"]
+
+
+def convert_pair(src: Path, dst: Path, layout: str, *options: str) -> str:
+    """Converts src/{target,assistant} into dst with the CLI; returns the `vllm serve ...` line it printed.
+
+    Raises:
+        RuntimeError: the CLI failed (its stderr in the message).
+    """
+    proc = subprocess.run([*convert_cli(), "convert", "--target", str(src / "target"), "--assistant",
+                           str(src / "assistant"), "--out", str(dst), "--layout", layout, *options],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert {src} --layout {layout} {' '.join(options)}: {proc.stderr.strip()}")
+    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip().startswith("vllm serve ")]
+    return lines[0] if lines else ""
+
+
+def build_loader_case(name: str, root: Path, *, variants: tuple[str, ...] | None = None) -> dict[str, Path]:
+    """Writes SOURCES[name] under root/name/original and converts it; variant -> directory with target/, assistant/.
+
+    The bare flat keys (FLAT_KEYS_ONLY) are built for the one source that has a row for them.
+    """
+    source = SOURCES[name]
+    original = root / name / ORIGINAL
+    write_pair(original, preset=tiny_preset(source.preset), dialect=source.dialect, multimodal=source.multimodal,
+               num_shards=source.num_shards, unified=source.unified, quantization=source.quantization)
+    built = {ORIGINAL: original}
+    for variant, (layout, *options) in CONVERSIONS.items():
+        wanted = variants is None or variant in variants
+        if not wanted or (variant == FLAT_KEYS_ONLY and name != _CI_SOURCE):
+            continue
+        convert_pair(original, root / name / variant, layout, *options)
+        built[variant] = root / name / variant
+    return built
+
+
+# ------------------------------------------------------------------------------------ engine cases
+
+@dataclass(frozen=True)
+class EngineSource:
+    preset: str
+    multimodal: bool
+    num_shards: int
+    # "legacy": the factory's flat config keys (what stock 0.27 reads); "transformers": the same checkpoint
+    # with both config.json files re-saved by transformers' own config classes (>= 5.15: per_layer_config)
+    dialect: str
+    dtypes: tuple[str, ...]
+    serve_http: bool = False
+    # also run a copy of the per-layer output with two experts of layer 0 swapped: it must FAIL, which shows
+    # the experts shape the output and the comparison sees an expert-level mistake
+    swapped_experts: bool = False
+    ci: bool = False  # CI's one live engine row
+
+    @property
+    def form(self) -> str:
+        return ", ".join([self.preset, f"{self.dialect} config", "multimodal" if self.multimodal else "text-only",
+                          f"{self.num_shards} shard{'s' if self.num_shards > 1 else ''}", "engine widths"])
+
+
+# bf16 only for the 31B multimodal source (the padded 256->512 heads, where bf16 rounding differs most between
+# layouts); the others run fp32, whose verdict is the strict one (identical tokens and drafts).
+ENGINE_SOURCES = {
+    "31b-mm-2shards": EngineSource("31b", True, 2, "legacy", ("float32", "bfloat16"), serve_http=True),
+    "e2b": EngineSource("e2b", False, 1, "legacy", ("float32",)),
+    "31b-per-layer-config": EngineSource("31b", False, 1, "transformers", ("float32",), ci=True),
+    "26b-a4b-moe": EngineSource("26b-a4b", False, 1, "legacy", ("float32",), swapped_experts=True),
+}
+ENGINE_VLLM = "0.27.0"
+ENGINE_LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed command is the one served over HTTP
+
+
+@dataclass(frozen=True)
+class EnginePair:
+    reference: Path  # the original the engine runs (what stock 0.27 reads)
+    original: Path  # what was converted
+    converted: dict[str, tuple[Path, str]]  # layout -> (dir, printed serve command)
+
+
+def resave_configs_with_transformers(pair: Path) -> None:
+    """config.json of target and assistant as transformers' own classes write them (per_layer_config dialect).
+
+    Raises:
+        RuntimeError: this transformers wrote no per_layer_config (older than 5.15).
+    """
+    from transformers import AutoConfig
+
+    for role in ("target", "assistant"):
+        AutoConfig.from_pretrained(pair / role).save_pretrained(pair / role)
+        text = json.loads((pair / role / "config.json").read_text())
+        if "per_layer_config" not in json.dumps(text):
+            raise RuntimeError(f"transformers wrote no per_layer_config for the {role} of {pair}")
+
+
+def build_engine_case(name: str, root: Path) -> EnginePair:
+    """Writes ENGINE_SOURCES[name] under root/name and converts it into every layout."""
+    source = ENGINE_SOURCES[name]
+    reference = root / name / ORIGINAL
+    write_engine_pair(reference, preset=source.preset, multimodal=source.multimodal, num_shards=source.num_shards)
+    original = reference
+    if source.dialect == "transformers":
+        # the per_layer_config dialect loads in no stock 0.27 env; the engine's reference is the same tensors with
+        # the flat keys, the converter's input is the transformers-written twin
+        original = root / name / "per-layer-config"
+        shutil.copytree(reference, original)
+        resave_configs_with_transformers(original)
+    converted = {layout: (root / name / layout, convert_pair(original, root / name / layout, layout))
+                 for layout in ENGINE_LAYOUTS}
+    return EnginePair(reference, original, converted)
+
+
+# ------------------------------------------------------------------------------------ digests (CI's stale check)
+
+def engine_key(name: str) -> str:
+    """How the ledger's digest check names an engine case (engine and loader cases share some names)."""
+    return f"engine:{name}"
+
+
+def case_digests(root: Path) -> dict[tuple[str, str], str]:
+    """(case, variant) -> pair digest of every loader and engine case built now under root (variant: "original",
+    "per-layer", "per-layer --flat-keys-only", "pad-global"); what tests/test_ledger.py compares with the ledger."""
+    from ..proof.digest import pair_digest
+
+    digests: dict[tuple[str, str], str] = {}
+    for name in SOURCES:
+        for variant, path in build_loader_case(name, root / "loader").items():
+            layout, *options = CONVERSIONS.get(variant, (variant,))
+            digests[(name, " ".join((layout, *options)))] = pair_digest(path / "target", path / "assistant")
+    for name in ENGINE_SOURCES:
+        pair = build_engine_case(name, root / "engine")
+        for layout, (path, _) in pair.converted.items():
+            digests[(engine_key(name), layout)] = pair_digest(path / "target", path / "assistant")
+    return digests

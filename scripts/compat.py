@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""`make compat`: run the whole stock-vLLM matrix and write the compatibility ledger (docs/COMPATIBILITY.md).
+
+Builds (or reuses) every vLLM env named on the command line (scripts/vllm027/envs.sh specs), runs the loader and
+engine tests of every row, the `compat`-marked ones included, with each row recorded (tests/_ledger.py), and, when
+every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md. Incremental by default: a row
+whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
+
+usage: scripts/compat.py [--all] [--timings FILE] SPEC [SPEC ...]
+exit: 0 ledger written; 1 a test failed or an env could not be built (the ledger is left as it was); 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from converter.advice.compat import (LEDGER_PATH, ledger_document, render_markdown,  # noqa: E402
+                                     row_from_dict)
+
+DOC = REPO / "docs" / "COMPATIBILITY.md"
+TESTS = ("tests/test_vllm027.py", "tests/test_vllm027_predictions.py", "tests/test_transformers_pins.py",
+         "tests/test_engine027.py")
+
+
+def build_envs(specs: list[str]) -> tuple[list[str], float]:
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "vllm027" / "envs.sh"), *specs], stdout=subprocess.PIPE,
+                          text=True)
+    if proc.returncode != 0:
+        sys.exit("compat: the vLLM envs could not be built (see the vllm_envs: FAILED line above)")
+    return proc.stdout.split(), time.monotonic() - start
+
+
+def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool) -> int:
+    env = dict(os.environ, GEMMA4_VLLM_PYTHONS=os.pathsep.join(pythons), GEMMA4_REQUIRE_VLLM="1",
+               GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm027 or engine027",
+           f"--junitxml={junit}", *TESTS]
+    return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def module_seconds(junit: Path) -> dict[str, float]:
+    """Seconds per test module from pytest's junit report."""
+    seconds: dict[str, float] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module = case.get("classname", "?").rsplit(".", 1)[-1]
+        seconds[module] = seconds.get(module, 0.0) + float(case.get("time", 0))
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("specs", nargs="+", metavar="SPEC", help="PACKAGE:VERSION:TRANSFORMERS (envs.sh)")
+    parser.add_argument("--all", action="store_true", help="re-run every row, even those the ledger already proves")
+    parser.add_argument("--timings", type=Path, help="write env build and per-module seconds to this JSON file")
+    args = parser.parse_args(argv)
+
+    started = time.monotonic()
+    pythons, env_seconds = build_envs(args.specs)
+    with tempfile.TemporaryDirectory(prefix="gemma4-compat-") as tmp:
+        rows_file, junit = Path(tmp) / "rows.jsonl", Path(tmp) / "junit.xml"
+        rows_file.touch()
+        code = run_matrix(pythons, rows_file, junit, reuse=not args.all)
+        lines = [line for line in rows_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = [row_from_dict(json.loads(line), where=str(rows_file)) for line in lines]
+        modules = module_seconds(junit) if junit.exists() else {}
+    wall = time.monotonic() - started
+    if args.timings:
+        args.timings.write_text(json.dumps({"envs_s": round(env_seconds, 1), "modules_s": modules,
+                                            "wall_s": round(wall, 1), "rows": len(rows)}, indent=2) + "\n")
+    if code != 0:
+        print(f"compat: the matrix failed (pytest exit {code}); {LEDGER_PATH.relative_to(REPO)} left as it was",
+              file=sys.stderr)
+        return 1
+    LEDGER_PATH.write_text(json.dumps(ledger_document(rows), indent=1) + "\n", encoding="utf-8")
+    DOC.write_text(render_markdown(rows), encoding="utf-8")
+    fresh = sum(row.measured == datetime.date.today().isoformat() for row in rows)
+    print(f"compat: {len(rows)} rows ({fresh} measured today, the rest carried over) -> {LEDGER_PATH.relative_to(REPO)}, "
+          f"{DOC.relative_to(REPO)}; envs {env_seconds:.0f} s, total {wall:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

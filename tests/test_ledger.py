@@ -1,0 +1,137 @@
+"""The compatibility ledger is the proof, and CI keeps it honest without starting vLLM (docs/COMPATIBILITY.md).
+
+Every case of converter/testing/cases.py is rebuilt and converted here (seconds) and its digest compared with the
+ledger's rows: a change to a layout, the synthetic factory or the converter's output that `make compat` has not
+re-proven fails as "stale proof". The ledger must also hold a row for every row of the matrix, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from converter.advice.compat import (CHECK_ENGINE, CHECK_LOADER, LEDGER_PATH, PASS, LedgerRow, load_ledger,
+                                     render_table, stale_rows)
+from converter.proof.digest import pair_digest
+from converter.read.checkpoint import read_checkpoint
+from converter.testing.cases import (CONVERSIONS, ENGINE_SOURCES, ENGINE_VLLM, LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED,
+                                     NEWEST, build_loader_case, case_digests)
+
+
+@pytest.fixture(scope="module")
+def ledger() -> tuple[LedgerRow, ...]:
+    rows = load_ledger()
+    assert rows, f"{LEDGER_PATH} is empty or missing: run `make compat`"
+    return rows
+
+
+@pytest.fixture(scope="module")
+def fresh_digests(tmp_path_factory) -> dict[tuple[str, str], str]:
+    return case_digests(tmp_path_factory.mktemp("cases"))
+
+
+def test_every_ledger_digest_matches_a_fresh_conversion(ledger, fresh_digests):
+    problems = stale_rows(ledger, fresh_digests)
+    assert not problems, "\n".join(problems)
+
+
+def _newest(ledger, vllm: str, check: str) -> str:
+    return max((r.transformers for r in ledger if r.vllm == vllm and r.check == check),
+               key=lambda v: tuple(int(p) for p in v.split(".")))
+
+
+def _variant(variant: str) -> str:
+    return " ".join(CONVERSIONS.get(variant, (variant,)))
+
+
+def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
+    want: set[tuple] = set()
+    for row in LOADER_ROWS:
+        if row.variant == MIXED:
+            continue  # a negative control of the check itself, not a compatibility statement
+        tf = _newest(ledger, row.vllm, CHECK_LOADER) if row.transformers == NEWEST else row.transformers
+        want.add((CHECK_LOADER, row.source, _variant(row.variant), row.vllm, tf, ""))
+    newest = _newest(ledger, ENGINE_VLLM, CHECK_ENGINE)
+    for name, source in ENGINE_SOURCES.items():
+        want |= {(CHECK_ENGINE, name, layout, ENGINE_VLLM, tf, dtype) for layout in ("per-layer", "pad-global")
+                 for tf in (LEGACY_TRANSFORMERS, newest) for dtype in source.dtypes}
+    have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype) for r in ledger}
+    assert not want - have, f"matrix rows the ledger lacks (run make compat): {sorted(want - have)}"
+    assert not have - want, f"ledger rows no matrix row asks for: {sorted(have - want)}"
+
+
+def test_every_row_did_what_the_converter_predicted(ledger):
+    surprises = [f"{r.check} {r.case} {r.variant} vLLM {r.vllm} transformers {r.transformers} {r.dtype}: "
+                 f"{r.verdict} (predicted {r.expected}) {r.detail}" for r in ledger if r.verdict != r.expected]
+    # one measured open finding may miss the strict fp32 verdict (docs/COMPATIBILITY.md): E2B pad-global
+    surprises = [s for s in surprises if not s.startswith("engine e2b pad-global")]
+    assert not surprises, "\n".join(surprises)
+    assert {r.layout for r in ledger if r.verdict == PASS} >= {"original", "per-layer", "pad-global"}
+
+
+# ------------------------------------------------------------------------------------ the stale check can fail
+
+def _flip_one_tensor_byte(checkpoint: Path) -> str:
+    """Flips one bit of the first byte of the largest tensor's data in place; returns the tensor's name."""
+    ref = max(read_checkpoint(checkpoint).tensors.values(), key=lambda t: t.nbytes)
+    with open(ref.file, "r+b") as handle:
+        handle.seek(ref.offset)
+        byte = handle.read(1)
+        handle.seek(ref.offset)
+        handle.write(bytes([byte[0] ^ 1]))
+    return ref.name
+
+
+def _edit_config(checkpoint: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["rms_norm_eps"] = text.get("rms_norm_eps", 1e-6) * 2
+    (checkpoint / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize("edit", ["tensor byte", "config value"])
+def test_one_changed_byte_or_config_value_is_named_stale(ledger, tmp_path, edit):
+    built = build_loader_case("31b-mm-2shards", tmp_path, variants=("per-layer",))
+    out = tmp_path / "edited"
+    shutil.copytree(built["per-layer"], out)
+    digests = {("31b-mm-2shards", "per-layer"): pair_digest(out / "target", out / "assistant")}
+    rows = [r for r in ledger if (r.case, r.variant, r.check) == ("31b-mm-2shards", "per-layer", CHECK_LOADER)]
+    assert rows and stale_rows(rows, digests) == []  # the untouched conversion is what the ledger proved
+
+    if edit == "tensor byte":
+        _flip_one_tensor_byte(out / "target")
+    else:
+        _edit_config(out / "target")
+    digests[("31b-mm-2shards", "per-layer")] = pair_digest(out / "target", out / "assistant")
+    problems = stale_rows(rows, digests)
+    assert len(problems) == 1
+    assert problems[0].startswith("stale proof: the per-layer output of loader case 31b-mm-2shards changed")
+    assert problems[0].endswith("run make compat")
+
+
+def test_a_case_no_longer_built_is_stale(ledger):
+    problems = stale_rows(ledger, {})
+    assert problems and all("is no longer built" in p for p in problems)
+
+
+def test_the_table_names_every_layout(ledger):
+    table = render_table(ledger)
+    for layout in ("original", "per-layer", "pad-global"):
+        assert f"\n{layout} " in table
+
+
+def test_compat_verb_prints_every_row_as_json_and_a_table(run_cli, ledger):
+    result = run_cli("compat", "--json")
+    assert result.code == 0, result.err
+    rows = json.loads(result.out)
+    assert len(rows) == len(ledger)
+    for row in rows:
+        assert {"case", "layout", "vllm", "transformers", "tp", "check", "verdict", "torch_pin", "measured"} <= set(row)
+        assert row["layout"] in ("original", "per-layer", "pad-global") and row["verdict"] in ("pass", "fail")
+    only = json.loads(run_cli("compat", "--json", "--layout", "pad-global").out)
+    assert only and {r["layout"] for r in only} == {"pad-global"}
+    text = run_cli("compat")
+    assert text.code == 0 and text.out.startswith("layout") and "per-layer" in text.out
