@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     LEDGER_PATH.write_text(json.dumps(ledger_document(rows), indent=1) + "\n", encoding="utf-8")
     DOC.write_text(render_markdown(rows), encoding="utf-8")
     fresh = sum(row.measured == datetime.date.today().isoformat() for row in rows)
-    print(f"compat: {len(rows)} rows ({fresh} measured today, the rest carried over) -> {LEDGER_PATH.relative_to(REPO)}, "
-          f"{DOC.relative_to(REPO)}; envs {env_seconds:.0f} s, total {wall:.0f} s")
+    print(f"compat: {len(rows)} rows ({fresh} measured today, the rest carried over) -> "
+          f"{LEDGER_PATH.relative_to(REPO)}, {DOC.relative_to(REPO)}; envs {env_seconds:.0f} s, total {wall:.0f} s")
     return 0
 
 

@@ -109,3 +109,38 @@ def read_config(directory: Path) -> dict:
 
 def text_config(config: dict) -> dict:
     return config.get("text_config", config)
+
+
+# ------------------------------------------------------------------------------------------ a run leaves no litter
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout_changes(root: Path = REPO_ROOT) -> set[str] | None:
+    """`git status --porcelain` lines of the checkout (untracked files one by one); None outside a git checkout."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return set(proc.stdout.splitlines()) if proc.returncode == 0 else None
+
+
+def pytest_sessionstart(session):
+    session.config._checkout_before = checkout_changes()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the run when the tests left something in the checkout that was not there before (scratch belongs in
+    tmp_path or beside the output the user named; .gitignore'd caches do not count)."""
+    before = getattr(session.config, "_checkout_before", None)
+    after = checkout_changes()
+    if before is None or after is None:
+        return
+    litter = sorted(after - before)
+    if litter:
+        session.config.get_terminal_writer().line(
+            "FAILED: the test run left files in the checkout: " + ", ".join(litter[:10]), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -26,7 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from converter.advice.compat import CHECK_ENGINE, FAIL, PASS, LedgerRow
+from converter.hub.card import render_card
 from converter.proof.digest import pair_digest
+from converter.read.checkpoint import MANIFEST_NAME
 from converter.testing.cases import ENGINE_LAYOUTS, ENGINE_SOURCES, EnginePair, build_engine_case
 
 from _ledger import record, recording, today, unchanged
@@ -104,7 +106,7 @@ def record_engine_rows(source_name: str, report: dict, envs: list[VllmEnv], dige
             continue
         figures = {"tokens_identical": v["tokens_identical"], "drafts_identical": v["drafts_identical"],
                    "draft_mismatch": v["draft_mismatch"], "max_logprob_delta": v["max_delta"],
-                   "tolerance": v["tolerance"]}
+                   "tolerance": v["tolerance"], "acceptance": v["acceptance"], "ref_acceptance": v["ref_acceptance"]}
         record(_engine_row(source_name, v["pair"], _env_of(v["env"], envs), v["dtype"], digests[v["pair"]],
                            verdict=PASS if v["passed"] else FAIL, detail="; ".join(v["reasons"]), figures=figures))
 
@@ -135,6 +137,7 @@ def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path
         pairs.append(broken)
     code, report, output = run_serve_check(envs, pair.reference, pairs, source.dtypes, tmp_path, serve)
     record_engine_rows(source_name, report, envs, digests)
+    assert_acceptance_reported(report, pair)
     assert report.get("ref_env", "").endswith(f"tf-{LEGACY_TRANSFORMERS}"), output[-4000:]
     # the comparison means something only when greedy output varies (FACTS.md section 6)
     for tokens in report["runs"][report["ref_env"]]["ref-float32-a"]["tokens"]["batch"]:
@@ -161,6 +164,21 @@ def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path
         http = report["http"]
         assert http["ok"], f"HTTP tokens {http.get('tokens')} != offline {http.get('expected')} (log {http['log']})"
         assert http["stopped_cleanly"], f"vllm serve left processes behind (log {http['log']})"
+
+
+def assert_acceptance_reported(report: dict, pair: EnginePair) -> None:
+    """vLLM's spec-decode counters came back for every engine that ran, and the card quotes them."""
+    for verdict in report["verdicts"]:
+        if verdict["pair"] in LAYOUTS and verdict["tokens_identical"]:
+            acceptance = verdict["acceptance"]
+            assert acceptance and verdict["ref_acceptance"], verdict
+            assert len(acceptance["per_position"]) == report["num_speculative_tokens"], acceptance
+            assert 1.0 <= acceptance["mean_accepted_length"] <= 1 + report["num_speculative_tokens"], acceptance
+    manifest = json.loads((pair.converted["per-layer"][0] / "target" / MANIFEST_NAME).read_text())
+    card = render_card(manifest=manifest, verification=None, repo_id="me/t", target_repo="me/t",
+                       assistant_repo="me/a", base_model=None, engine_report=report)
+    engine = card.split("## Engine check (serve-check)", 1)[1]
+    assert engine.count("mean length") >= 2 * len(report["verdicts"]), engine
 
 
 def assert_experts_ran(report: dict, target: Path) -> None:

@@ -792,3 +792,99 @@ def test_base_model_inferred_from_a_repo_id_shaped_name_or_path(sources, tmp_pat
     result = run_cli("upload", out, "me/a", "--dry-run", "--no-verify")
     assert result.code == 0 and result.err.startswith("note: base model unknown for ")
     assert "base_model" not in _card_meta(result.out.split("--- me/a/README.md ---\n", 1)[1])
+
+
+# ------------------------------------------------------------------------------------------ each role's own base model
+
+def _pair_cards(result) -> dict[str, dict]:
+    """role -> front matter of the two cards a pair's `upload --dry-run` printed."""
+    cards = {}
+    for role, repo in (("target", "me/t"), ("assistant", "me/a")):
+        text = result.out.split(f"--- {repo}/README.md ---\n", 1)[1].split("--- end of card ---", 1)[0]
+        cards[role] = _card_meta(text)
+    return cards
+
+
+def _dry_run_pair(run_cli, out: Path, *options: str):
+    result = run_cli("upload", out, "--target-repo", "me/t", "--assistant-repo", "me/a", "--dry-run", "--no-verify",
+                     *options)
+    assert result.code == 0, result.err
+    return result
+
+
+def test_each_card_names_its_own_base_for_a_hub_source(sources, offline_hub, tmp_path, monkeypatch, run_cli):
+    cache_repo(offline_hub, TARGET_REPO, SHA_MAIN, sources / "target")
+    cache_repo(offline_hub, ASSISTANT_REPO, SHA_MAIN, sources / "assistant")
+    out = tmp_path / "out"
+    assert run_cli("convert", "--target", TARGET_REPO, "--assistant", ASSISTANT_REPO, "--out", out,
+                   "--layout", "per-layer").code == 0
+    use_api(monkeypatch, ExplodingApi())
+    cards = _pair_cards(_dry_run_pair(run_cli, out))
+    assert (cards["target"]["base_model"], cards["assistant"]["base_model"]) == (TARGET_REPO, ASSISTANT_REPO)
+    # --base-model names the target's base only; the assistant keeps its own
+    cards = _pair_cards(_dry_run_pair(run_cli, out, "--base-model", "google/gemma-4-31B-it"))
+    assert (cards["target"]["base_model"], cards["assistant"]["base_model"]) == ("google/gemma-4-31B-it",
+                                                                                  ASSISTANT_REPO)
+
+
+def test_each_card_names_its_own_base_for_a_local_source_with_provenance(sources, tmp_path, monkeypatch, run_cli):
+    local = tmp_path / "downloaded"
+    shutil.copytree(sources, local)
+    for role, repo in (("target", "google/gemma-4-31B-it"), ("assistant", "google/gemma-4-31B-it-assistant")):
+        config = json.loads((local / role / "config.json").read_text())
+        config["_name_or_path"] = repo
+        (local / role / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert run_cli("convert", "--target", local / "target", "--assistant", local / "assistant", "--out", out,
+                   "--layout", "per-layer").code == 0
+    use_api(monkeypatch, ExplodingApi())
+    result = _dry_run_pair(run_cli, out)
+    cards = _pair_cards(result)
+    assert cards["target"]["base_model"] == "google/gemma-4-31B-it"
+    assert cards["assistant"]["base_model"] == "google/gemma-4-31B-it-assistant"
+    assert "warning:" not in result.err and "note:" not in result.err
+
+
+def test_each_card_names_its_own_base_for_a_local_source_without_provenance(sources, tmp_path, monkeypatch,
+                                                                            run_cli):
+    out = tmp_path / "out"
+    assert run_cli("convert", "--target", sources / "target", "--assistant", sources / "assistant",
+                   "--out", out, "--layout", "per-layer").code == 0
+    use_api(monkeypatch, ExplodingApi())
+    cards = _pair_cards(_dry_run_pair(run_cli, out))
+    assert "base_model" not in cards["target"] and "base_model" not in cards["assistant"]
+    result = _dry_run_pair(run_cli, out, "--base-model", "google/gemma-4-31B-it")
+    cards = _pair_cards(result)
+    assert cards["target"]["base_model"] == "google/gemma-4-31B-it" and "base_model" not in cards["assistant"]
+    assert result.err.startswith("note: base model unknown for ") and str(out / "assistant") in result.err
+    assert str(out / "target") not in result.err
+    cards = _pair_cards(_dry_run_pair(run_cli, out, "--base-model", "google/gemma-4-31B-it",
+                                      "--assistant-base-model", "google/gemma-4-31B-it-assistant"))
+    assert (cards["target"]["base_model"], cards["assistant"]["base_model"]) == (
+        "google/gemma-4-31B-it", "google/gemma-4-31B-it-assistant")
+
+
+def test_a_pair_of_mismatched_bases_is_a_warning_in_the_dry_run(sources, tmp_path, monkeypatch, run_cli):
+    out = tmp_path / "out"
+    assert run_cli("convert", "--target", sources / "target", "--assistant", sources / "assistant",
+                   "--out", out, "--layout", "per-layer").code == 0
+    use_api(monkeypatch, ExplodingApi())
+    result = _dry_run_pair(run_cli, out, "--base-model", "google/gemma-4-31B-it",
+                           "--assistant-base-model", "google/gemma-4-E4B-it-assistant")
+    warnings = [line for line in result.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "(31B)" in warnings[0] and "(E4B)" in warnings[0]
+    assert "dry run: nothing uploaded" in result.out
+
+
+@pytest.mark.parametrize("target, assistant, warns", [
+    ("google/gemma-4-31B-it", "google/gemma-4-31B-it-assistant", False),
+    ("google/gemma-4-26B-A4B-it", "google/gemma-4-26B-A4B-it-assistant", False),
+    ("google/gemma-4-26B-A4B-it", "google/gemma-4-31B-it-assistant", True),
+    ("RedHatAI/gemma-4-31B-it-FP8-block", "google/gemma-4-31B-it-assistant", False),
+    ("google/gemma-4-E2B-it", "google/gemma-4-E4B-it-assistant", True),
+    ("acme/my-model", "google/gemma-4-E4B-it-assistant", False),  # nothing to compare: no warning
+    (None, "google/gemma-4-E4B-it-assistant", False),
+])
+def test_mismatched_bases_compares_gemma4_sizes(target, assistant, warns):
+    from converter.hub.upload import mismatched_bases
+    assert (mismatched_bases(target, assistant) is not None) == warns

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,25 @@ def test_fp32_verdict_passes_equal_runs_and_fails_on_tokens_drafts_or_logprobs(s
     assert not v.passed and v.draft_mismatch == "2/8"  # 2 steps x 2 drafts x 2 passes; one differs per pass
 
 
+def _with_metrics(r: dict, drafts: int, per_position: list[int]) -> dict:
+    return {**r, "metrics": {"vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_draft_tokens": 2 * drafts,
+                             "vllm:spec_decode_num_accepted_tokens": sum(per_position),
+                             "vllm:spec_decode_num_accepted_tokens_per_pos": per_position}}
+
+
+def test_acceptance_is_reported_per_position_and_must_match_where_tokens_and_drafts_do(sc):
+    ref = _with_metrics(run([1, 2, 3], [[9, 9], [9, 9]], lp([-0.1, -2.0], [-0.2, -3.0], [-0.3, -4.0])), 8, [6, 2])
+    assert sc.acceptance_of(ref["metrics"]) == {"drafts": 8, "accepted": 8, "per_position": [0.75, 0.25],
+                                                "mean_accepted_length": 2.0}
+    same = sc.judge_fp32("p", "e", ref, ref, 1e-4)
+    assert same.passed and same.acceptance == same.ref_acceptance
+    # identical tokens and drafts but other counters: the engine did something the tokens do not show
+    other = _with_metrics(ref, 8, [5, 2])
+    verdict = sc.judge_fp32("p", "e", other, ref, 1e-4)
+    assert not verdict.passed and any("draft acceptance 0.62/0.25" in r for r in verdict.reasons)
+    assert sc.acceptance_of({}) is None
+
+
 def test_bf16_verdict_allows_a_split_only_at_the_originals_near_tie(sc):
     ref = run([1, 2, 3], [[9, 9], [9, 9]], lp([-0.1, -2.0], [-0.60, -0.65], [-0.3, -4.0]))
     split = run([1, 7, 5], [[9, 9], [9, 9]], lp([-0.12, -2.0], [-0.62, -0.61], [-1.0, -1.0]))
@@ -80,6 +100,9 @@ def test_prompts_include_one_longer_than_the_sliding_window(sc):
 
 def test_missing_env_is_one_line_usage_error(sc, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("GEMMA4_ENGINE_PYTHONS", raising=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     write_pair(tmp_path / "p", preset=tiny_preset("31b"), multimodal=False)
     pair = ["--target", str(tmp_path / "p/target"), "--assistant", str(tmp_path / "p/assistant")]
     assert sc.main(["--ref-target", str(tmp_path / "p/target"), "--ref-assistant", str(tmp_path / "p/assistant"),
@@ -89,6 +112,14 @@ def test_missing_env_is_one_line_usage_error(sc, tmp_path, capsys, monkeypatch):
     assert sc.main(["--ref-target", str(tmp_path / "p/target"), "--ref-assistant", str(tmp_path / "p/assistant"),
                     *pair, "--python", str(tmp_path / "no-such-python")]) == sc.EXIT_USAGE
     assert "missing or has no vLLM" in capsys.readouterr().err
+    assert list(cwd.iterdir()) == []  # no scratch left in the current directory (serve_check_work/ was)
+
+
+def test_scratch_goes_beside_the_report_or_to_a_temporary_directory(sc, tmp_path):
+    assert sc.default_workdir(tmp_path / "w", None) == tmp_path / "w"
+    assert sc.default_workdir(None, str(tmp_path / "r" / "report.json")) == tmp_path / "r" / "serve_check_work"
+    scratch = sc.default_workdir(None, None)
+    assert scratch.parent == Path(tempfile.gettempdir()) and not scratch.exists()
 
 
 @pytest.mark.parametrize("preset", ["31b", "e2b", "26b-a4b"])

@@ -23,12 +23,14 @@ from ._common import PATH, hub_api
 @click.option("--dry-run", is_flag=True, help="Print files, sizes and the model card; contact nothing.")
 @click.option("--no-verify", is_flag=True, help="Upload even without a passing verification.json.")
 @click.option("--base-model", metavar="OWNER/NAME",
-              help="Source repo for the card's base_model (default: the Hub repo recorded in conversion.json, "
-                   "else inferred from a Hugging Face cache path or the config's _name_or_path).")
+              help="Source repo for the target's card base_model (a single DST: its card's), over what is inferred: "
+                   "the Hub repo recorded in conversion.json, else a Hugging Face cache path or _name_or_path.")
+@click.option("--assistant-base-model", metavar="OWNER/NAME",
+              help="Source repo for the assistant's card base_model, over what is inferred the same way.")
 @click.pass_context
 def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str | None, assistant_repo: str | None,
             private: bool, revision: str | None, create_pr: bool, commit_message: str | None, dry_run: bool,
-            no_verify: bool, base_model: str | None) -> None:
+            no_verify: bool, base_model: str | None, assistant_base_model: str | None) -> None:
     """Upload a converted checkpoint (DST REPO_ID) or pair (DST --target-repo T --assistant-repo A).
 
     \b
@@ -42,13 +44,17 @@ def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str
     repos = {role: repo for role, repo in (("single", repo_id), ("target", target_repo),
                                             ("assistant", assistant_repo)) if repo}
     request = UploadRequest(dst=dst, repos=repos, private=private, revision=revision, create_pr=create_pr,
-                            commit_message=commit_message, verify_required=not no_verify, base_model=base_model)
+                            commit_message=commit_message, verify_required=not no_verify, base_model=base_model,
+                            assistant_base_model=assistant_base_model)
     plan = plan_upload(request)
     render_plan(plan, with_cards=dry_run)
     if plan.unknown_base:
         click.echo(f"note: base model unknown for {', '.join(str(d) for d in plan.unknown_base)} (a local source: "
                    "no Hub repo recorded, not a Hugging Face cache snapshot, no repo id in its _name_or_path); the "
-                   "card says \"unknown\"; pass --base-model OWNER/NAME to name it", err=True)
+                   "card says \"unknown\"; pass --base-model OWNER/NAME (target) or --assistant-base-model to name "
+                   "it", err=True)
+    for warning in plan.warnings:
+        click.echo(f"warning: {warning}", err=True)
     if dry_run:
         click.echo("dry run: nothing uploaded, the Hub was not contacted")
         return

@@ -56,7 +56,8 @@ LAYOUT_WHY = {
 
 def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] | None, repo_id: str,
                 target_repo: str | None, assistant_repo: str | None, base_model: str | None,
-                source_front_matter: Mapping[str, Any] | None = None, source_card: bool = False) -> str:
+                source_front_matter: Mapping[str, Any] | None = None, source_card: bool = False,
+                engine_report: Mapping[str, Any] | None = None) -> str:
     """README.md for one converted checkpoint.
 
     Args:
@@ -67,6 +68,7 @@ def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] 
         base_model: the source's Hub repo id, if known.
         source_front_matter: the source README's YAML front matter; license/language keys are carried over.
         source_card: the source's README.md is uploaded beside the card as README.source.md.
+        engine_report: the JSON report of `make serve-check` for this pair (DST/serve_check.json), if one was run.
 
     Returns:
         The card text: YAML front matter, then Markdown.
@@ -80,6 +82,7 @@ def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] 
         _proof_section(variant),
         f"## KV-cache cost\n\n{_kv_text(manifest, role, layout)}",
         _verification_section(verification),
+        *([_engine_section(engine_report)] if engine_report else []),
         _provenance_section(manifest, verification, source_card=source_card),
     ]
     return _front_matter(manifest, base_model, source_front_matter) + "\n" + "\n\n".join(sections) + "\n"
@@ -189,6 +192,30 @@ def _kv_text(manifest: Mapping[str, Any], role: str, layout: str) -> str:
     note = ("pad-global widens the sliding layers' cache" if layout == "pad-global" else
             "zero cost: the layout changes no geometry, and every weight is a byte-identical copy of the source")
     return "\n".join(rows) + f"\n\n({note}.)"
+
+
+def _acceptance_cell(acceptance: Mapping[str, Any] | None) -> str:
+    if not acceptance:
+        return "-"
+    rates = " / ".join(f"{r:.2f}" for r in acceptance.get("per_position", []))
+    return f"{rates} (mean length {acceptance.get('mean_accepted_length', 0):.2f})"
+
+
+def _engine_section(report: Mapping[str, Any]) -> str:
+    """The serve-check verdicts: the converted pair generating in vLLM against the original, draft acceptance per
+    position (1..k) and mean accepted length of both over the same prompts."""
+    lines = ["## Engine check (serve-check)", "",
+             f"`make serve-check` ran the original pair in {report.get('ref_env')} and this pair in each env below: "
+             f"{len(report.get('prompt_lengths', []))} prompts, {report.get('max_tokens')} greedy tokens each, "
+             f"k={report.get('num_speculative_tokens')} draft tokens; draft acceptance is vLLM's own spec-decode "
+             "counters (acceptance rate at draft positions 1..k, mean accepted length including the bonus token).",
+             "", "| env | dtype | tokens | drafts differ | acceptance (this pair) | acceptance (original) | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for v in report.get("verdicts", []):
+        lines.append(f"| {v.get('env')} | {v.get('dtype')} | {'identical' if v.get('tokens_identical') else 'differ'} "
+                     f"| {v.get('draft_mismatch')} | {_acceptance_cell(v.get('acceptance'))} | "
+                     f"{_acceptance_cell(v.get('ref_acceptance'))} | {'PASS' if v.get('passed') else 'FAIL'} |")
+    return "\n".join(lines)
 
 
 def _verification_section(verification: Mapping[str, Any] | None) -> str:

@@ -22,6 +22,7 @@ from .errors import hub_errors, transfer_errors
 from .provenance import infer_base_model, public_manifest, scrub_paths
 
 CARD_NAME = "README.md"
+ENGINE_REPORT_NAME = "serve_check.json"  # `make serve-check REPORT=DST/serve_check.json`: quoted on both cards
 SOURCE_CARD_NAME = "README.source.md"  # the source's own README.md travels under this name beside our card
 
 
@@ -36,7 +37,8 @@ class UploadRequest:
     create_pr: bool = False
     commit_message: str | None = None
     verify_required: bool = True
-    base_model: str | None = None  # overrides the source repo recorded in conversion.json
+    base_model: str | None = None  # the target's (or a single checkpoint's) base, over what conversion.json records
+    assistant_base_model: str | None = None  # the assistant's base, over what its conversion.json records
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class UploadPlan:
     request: UploadRequest
     items: tuple[UploadItem, ...]
     unknown_base: tuple[Path, ...] = ()  # checkpoints whose card says base model "unknown"
+    warnings: tuple[str, ...] = ()  # e.g. a target and an assistant whose base models do not belong together
 
 
 @dataclass(frozen=True)
@@ -109,12 +112,14 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
                          "refs/pr/N without --create-pr to add to an existing PR)")
     manifests = {role: _read_manifest(directory) for role, directory in dirs.items()}
     serve_repos = _serve_repos(request.repos, manifests)
-    items, unknown = [], []
+    engine_report = _read_engine_report(request.dst)
+    items, unknown, bases = [], [], {}
     for role, directory in dirs.items():
         manifest = manifests[role]
         from .card import render_card  # yaml and the layouts: only an upload needs them
 
-        base = infer_base_model(manifest, override=request.base_model)
+        base = infer_base_model(manifest, override=_base_override(request, role, str(manifest.get("role"))))
+        bases[str(manifest.get("role"))] = base
         if base is None:
             unknown.append(directory)
         private = _private_paths(request.dst, directory, manifest)
@@ -125,14 +130,51 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
                            target_repo=serve_repos.get(ROLE_TARGET), assistant_repo=serve_repos.get(ROLE_ASSISTANT),
                            base_model=base.repo_id if base else None,
                            source_front_matter=_front_matter(directory / CARD_NAME),
-                           source_card=(directory / CARD_NAME).is_file())
+                           source_card=(directory / CARD_NAME).is_file(),
+                           engine_report=scrub_paths(engine_report, private) if engine_report else None)
         rewritten = {MANIFEST_NAME: public}
         if (directory / VERIFICATION_NAME).is_file():
             rewritten[VERIFICATION_NAME] = scrub_paths(read_json(directory / VERIFICATION_NAME), private)
         items.append(UploadItem(role=role, kind=str(manifest.get("role")), layout=str(manifest.get("layout")),
                                 directory=directory, repo_id=request.repos[role],
                                 files=_upload_files(directory, card, rewritten), card=card))
-    return UploadPlan(request=request, items=tuple(items), unknown_base=tuple(unknown))
+    warnings = () if "single" in dirs else tuple(filter(None, [mismatched_bases(
+        *(b.repo_id if b else None for b in (bases.get(ROLE_TARGET), bases.get(ROLE_ASSISTANT))))]))
+    return UploadPlan(request=request, items=tuple(items), unknown_base=tuple(unknown), warnings=warnings)
+
+
+def _base_override(request: UploadRequest, where: str, kind: str) -> str | None:
+    """The override for one checkpoint: --assistant-base-model for an assistant; --base-model for the target (in a
+    pair) or for the one checkpoint of a single DST when no assistant override names it."""
+    if kind == ROLE_ASSISTANT and request.assistant_base_model:
+        return request.assistant_base_model
+    if where == "single" or kind == ROLE_TARGET:
+        return request.base_model
+    return None
+
+
+_GEMMA4_SIZE = re.compile(r"gemma-?4-(e\d+b|\d+b(?:-a\d+b)?)(?![a-z0-9])", re.IGNORECASE)
+
+
+def mismatched_bases(target: str | None, assistant: str | None) -> str | None:
+    """A warning when the two base models name different Gemma 4 sizes (e.g. a 31B target, an E4B assistant)."""
+    sizes = [m.group(1).upper() if (m := _GEMMA4_SIZE.search(name or "")) else None for name in (target, assistant)]
+    if None in sizes or sizes[0] == sizes[1]:
+        return None
+    return (f"the target's base model {target} ({sizes[0]}) and the assistant's {assistant} ({sizes[1]}) are "
+            "different Gemma 4 sizes: an assistant only drafts for the target it was trained with; check "
+            "--base-model / --assistant-base-model or the pair you converted")
+
+
+def _read_engine_report(dst: Path) -> dict[str, Any] | None:
+    """DST/serve_check.json when the user saved `make serve-check`'s report there (docs/VLLM_CHECK.md)."""
+    path = dst / ENGINE_REPORT_NAME
+    if not path.is_file():
+        return None
+    report = read_json(path)
+    if not isinstance(report, dict) or not isinstance(report.get("verdicts"), list):
+        raise InputError(f"{path}: not a serve-check report (no verdicts); remove it or run make serve-check again")
+    return report
 
 
 def _private_paths(dst: Path, directory: Path, manifest: Mapping[str, Any]) -> list[str]:

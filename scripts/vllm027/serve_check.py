@@ -38,6 +38,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,8 +167,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         t2 = time.monotonic()
         single = _outputs([llm.generate([p], params, use_tqdm=False)[0] for p in prompts])
         t3 = time.monotonic()
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
-                   if "spec_decode" in m.name and getattr(m, "value", None) is not None}
+        # counters carry `value`, the per-position acceptance vector `values` (vllm/v1/metrics/reader.py)
+        metrics = {m.name: getattr(m, "value", None) if hasattr(m, "value") else list(m.values)
+                   for m in llm.get_metrics() if "spec_decode" in m.name
+                   and (getattr(m, "value", None) is not None or getattr(m, "values", None) is not None)}
         _shutdown(llm)
         llm = None
         per_req = _read_drafts(draft_log)
@@ -325,6 +328,8 @@ class Verdict:
     engine_start_s: float | None = None
     generate_s: float | None = None
     reasons: list[str] = field(default_factory=list)
+    acceptance: dict | None = None  # this pair's draft acceptance (acceptance_of), original's in ref_acceptance
+    ref_acceptance: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -349,19 +354,45 @@ def compare_runs(run: dict, ref: dict) -> Comparison:
     return Comparison(splits, worst, bad, total)
 
 
-def _verdict(pair: str, env: str, dtype: str, run: dict, c: Comparison, tolerance: float) -> Verdict:
+def acceptance_of(metrics: dict) -> dict | None:
+    """vLLM's spec-decode counters as users read them: the acceptance rate of each draft position (accepted at
+    position i / drafts) and the mean accepted length (1 + accepted / drafts, the bonus token included), over every
+    generate call of one engine (vllm/v1/spec_decode/metrics.py). None when the engine recorded no drafts."""
+    drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
+    per_position = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    if not drafts or per_position is None:
+        return None
+    accepted = metrics.get("vllm:spec_decode_num_accepted_tokens", sum(per_position))
+    return {"drafts": drafts, "accepted": accepted, "per_position": [round(n / drafts, 4) for n in per_position],
+            "mean_accepted_length": round(1 + accepted / drafts, 4)}
+
+
+def _verdict(pair: str, env: str, dtype: str, run: dict, ref: dict, c: Comparison, tolerance: float) -> Verdict:
     v = Verdict(pair, env, dtype, False, tokens_identical=not c.splits, drafts_identical=c.bad_drafts == 0 < c.drafts,
-                draft_mismatch=f"{c.bad_drafts}/{c.drafts}", max_delta=c.worst, tolerance=tolerance)
+                draft_mismatch=f"{c.bad_drafts}/{c.drafts}", max_delta=c.worst, tolerance=tolerance,
+                acceptance=acceptance_of(run.get("metrics") or {}),
+                ref_acceptance=acceptance_of(ref.get("metrics") or {}))
     if not any(d for m, i in modes_prompts(run) for d in run["drafts"][m][i]):
         v.reasons.append("no draft proposals were logged")
     elif c.drafts == 0 and dtype == "float32":
         v.reasons.append("no draft proposals to compare")
+    # the same tokens from the same draft proposals accept the same drafts: acceptance must then be equal
+    if v.tokens_identical and v.drafts_identical and v.acceptance != v.ref_acceptance:
+        v.reasons.append(f"draft acceptance {_acceptance_text(v.acceptance)} differs from the original's "
+                         f"{_acceptance_text(v.ref_acceptance)} with identical tokens and drafts")
     return v
+
+
+def _acceptance_text(acceptance: dict | None) -> str:
+    if not acceptance:
+        return "(none recorded)"
+    rates = "/".join(f"{r:.2f}" for r in acceptance["per_position"])
+    return f"{rates} per position, mean length {acceptance['mean_accepted_length']:.2f}"
 
 
 def judge_fp32(pair: str, env: str, run: dict, ref_a: dict, noise: float) -> Verdict:
     c, tolerance = compare_runs(run, ref_a), fp32_tolerance(noise)
-    v = _verdict(pair, env, "float32", run, c, tolerance)
+    v = _verdict(pair, env, "float32", run, ref_a, c, tolerance)
     v.reasons += [f"{mode} prompt {i}: token {j} differs" for mode, i, j in c.splits]
     if c.bad_drafts:
         v.reasons.append(f"{c.bad_drafts} of {c.drafts} draft tokens differ")
@@ -375,7 +406,7 @@ def judge_fp32(pair: str, env: str, run: dict, ref_a: dict, noise: float) -> Ver
 # numbers are); the fp32 verdict judges drafts exactly.
 def judge_bf16(pair: str, env: str, run: dict, ref: dict, deviation: float) -> Verdict:
     c = compare_runs(run, ref)
-    v = _verdict(pair, env, "bfloat16", run, c, deviation)
+    v = _verdict(pair, env, "bfloat16", run, ref, c, deviation)
     for mode, i, j in c.splits:
         steps = ref["logprobs"][mode][i]
         margin = top2_margin(steps[j]) if j < len(steps) else float("inf")
@@ -459,9 +490,9 @@ def ref_jobs(ref: tuple[Path, Path], dtypes: list[str], prompts: list, workdir: 
 
 
 def check(args: argparse.Namespace) -> dict[str, Any]:
-    workdir = Path(args.workdir or (Path(args.json).parent if args.json else Path.cwd()) / "serve_check_work")
-    workdir.mkdir(parents=True, exist_ok=True)
     envs = [describe_env(p) for p in args.python]
+    workdir = args.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
     ref = (args.ref_target, args.ref_assistant)
     cfg = text_config(args.ref_target)
     prompts = make_prompts(int(cfg["vocab_size"]), int(cfg["sliding_window"]))
@@ -537,6 +568,12 @@ def print_table(report: dict[str, Any]) -> None:
               f"{drafts:12s} {fmt(v['max_delta'], '10.2e'):>10s} {fmt(v['tolerance'], '9.2e'):>9s} "
               f"{fmt(v['engine_start_s'], '7.1f'):>7s} {fmt(v['generate_s'], '6.1f'):>6s} "
               f"{'PASS' if v['passed'] else 'FAIL: ' + '; '.join(v['reasons'])[:300]}")
+    print("draft acceptance (per position 1..k; mean accepted length incl. the bonus token), same prompts:")
+    originals = {v["dtype"]: v.get("ref_acceptance") for v in report["verdicts"] if v.get("ref_acceptance")}
+    for dtype, acceptance in originals.items():
+        print(f"  {'original':24s} {str(report.get('ref_env')):32s} {dtype:9s} {_acceptance_text(acceptance)}")
+    for v in report["verdicts"]:
+        print(f"  {v['pair']:24s} {v['env']:32s} {v['dtype']:9s} {_acceptance_text(v.get('acceptance'))}")
 
 
 # ============================================================================================= HTTP server
@@ -653,7 +690,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "default: GEMMA4_ENGINE_PYTHONS, separated by os.pathsep)")
     ap.add_argument("--dtype", action="append", choices=DTYPES, help="run dtype (repeatable; default both)")
     ap.add_argument("--json", help="write the report here")
-    ap.add_argument("--workdir", help="job files, draft logs, engine logs (default: beside --json, else ./)")
+    ap.add_argument("--workdir", type=Path, help="job files, draft logs, engine logs (default: serve_check_work/ "
+                    "beside --json, else a new temporary directory; never the current directory)")
     ap.add_argument("--serve-command", help="the `vllm serve ...` line `convert` printed for the FIRST converted pair")
     ap.add_argument("--attention-backend", help="pass to every engine (e.g. TRITON_ATTN; on CPU vLLM refuses it "
                     "and logs so; scripts/gpu_serve_check.sh compares with and without)")
@@ -667,7 +705,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for path in (args.ref_target, args.ref_assistant, *args.target, *args.assistant):
         if not (path / "config.json").is_file():
             raise UsageError(f"{path}/config.json not found")
+    args.workdir = default_workdir(args.workdir, args.json)
     return args
+
+
+def default_workdir(workdir: Path | None, report: str | None) -> Path:
+    """Where scratch goes: --workdir, else beside the report the user named, else a new directory under the system's
+    temporary directory; never relative to the current directory. Created only once the envs are known good."""
+    if workdir is not None:
+        return workdir
+    if report:
+        return Path(report).resolve().parent / "serve_check_work"
+    return Path(tempfile.gettempdir()) / f"serve_check-{os.getpid()}-{time.time_ns()}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -679,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error" not in report and args.serve_command:
             env = next(e for e in map(describe_env, args.python) if e.name == report["ref_env"])
             offline = report["runs"][env.name][f"{args_label(args.target[0])}-float32"]
-            workdir = Path(args.workdir or (Path(args.json).parent if args.json else Path.cwd()) / "serve_check_work")
+            workdir = args.workdir
             try:
                 report["http"] = serve_http(env, args.serve_command, report_prompt(report, args),
                                             offline["tokens"]["single"][0] if offline["ok"] else [], workdir)
