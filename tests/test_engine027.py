@@ -16,6 +16,7 @@ Every vLLM process takes the machine-wide lock /tmp/gemma4-vllm.lock (serve_chec
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,8 @@ SERVE_CHECK = REPO / "scripts" / "vllm027" / "serve_check.py"
 LAYOUTS = ENGINE_LAYOUTS
 SOURCES = ENGINE_SOURCES
 TIMEOUT_S = 3600
+# the original's engine runs, reused while the original pair, env and prompts are unchanged (serve_check RefCache)
+REF_CACHE = Path(os.environ.get("GEMMA4_SERVE_REF_CACHE") or Path.home() / ".cache" / "gemma4-convert" / "serve-ref")
 
 
 # Measured (docs/VLLM_CHECK.md, "Results"): E2B pad-global in fp32 generates every token identically but misses
@@ -71,7 +74,7 @@ def built(tmp_path_factory):
 def run_serve_check(envs: list[VllmEnv], ref: Path, pairs: list[Path], dtypes: tuple[str, ...], out: Path,
                     serve_command: str | None = None) -> tuple[int, dict, str]:
     cmd = [sys.executable, str(SERVE_CHECK), "--ref-target", str(ref / "target"),
-           "--ref-assistant", str(ref / "assistant"), "--json", str(out / "report.json")]
+           "--ref-assistant", str(ref / "assistant"), "--json", str(out / "report.json"), "--ref-cache", str(REF_CACHE)]
     for pair in pairs:
         cmd += ["--target", str(pair / "target"), "--assistant", str(pair / "assistant")]
     for env in envs:

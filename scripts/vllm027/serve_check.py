@@ -30,6 +30,7 @@ Internally (do not call by hand): serve_check.py --worker JOBS.json RESULTS.json
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -489,6 +490,48 @@ def ref_jobs(ref: tuple[Path, Path], dtypes: list[str], prompts: list, workdir: 
     return [make_job(lbl, *ref, lbl.split("-")[1], prompts, workdir, backend) for lbl in labels]
 
 
+class RefCache:
+    """The original pair's engine runs, kept per (content of the pair, env, jobs) under DIR, so an unchanged original
+    is not generated again: its runs are the same bytes in, the same engine, the same prompts (the noise reference
+    of fp32 included, measured once when the entry was made)."""
+
+    def __init__(self, root: Path, ref: tuple[Path, Path]):
+        self.root, self.content = Path(root), _content_hash(ref)
+
+    def path(self, env: Env, jobs: list[dict]) -> Path:
+        spec = [{k: v for k, v in job.items() if k not in ("target", "assistant", "draft_log", "moe_log")}
+                for job in jobs]
+        key = hashlib.sha256(json.dumps([self.content, env.name, env.python, spec], sort_keys=True).encode())
+        return self.root / f"{key.hexdigest()[:32]}.json"
+
+    def load(self, env: Env, jobs: list[dict]) -> dict[str, dict] | None:
+        path = self.path(env, jobs)
+        try:
+            runs = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return runs if set(runs) == {j["label"] for j in jobs} else None
+
+    def store(self, env: Env, jobs: list[dict], runs: dict[str, dict]) -> None:
+        path = self.path(env, jobs)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(runs))
+        os.replace(partial, path)
+
+
+def _content_hash(pair: tuple[Path, Path]) -> str:
+    """sha256 over every file name and byte of the two checkpoint directories (config, index, shards)."""
+    sha256 = hashlib.sha256()
+    for directory in pair:
+        for file in sorted(p for p in Path(directory).iterdir() if p.is_file()):
+            sha256.update(file.name.encode() + b"\0")
+            with file.open("rb") as handle:
+                while block := handle.read(1 << 22):
+                    sha256.update(block)
+    return sha256.hexdigest()
+
+
 def check(args: argparse.Namespace) -> dict[str, Any]:
     envs = [describe_env(p) for p in args.python]
     workdir = args.workdir
@@ -502,8 +545,11 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
                               "prompt_lengths": [len(p) for p in prompts], "max_tokens": MAX_TOKENS,
                               "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "envs": {}, "runs": {}, "verdicts": []}
     refs: dict[str, dict] | None = None
+    cache = RefCache(args.ref_cache, ref) if args.ref_cache else None
     for n, env in enumerate(envs):
-        jobs = [] if refs is not None else ref_jobs(ref, args.dtype, prompts, workdir, args.attention_backend)
+        wanted = [] if refs is not None else ref_jobs(ref, args.dtype, prompts, workdir, args.attention_backend)
+        cached = cache.load(env, wanted) if cache and wanted else None
+        jobs = [] if cached else wanted
         jobs += [make_job(f"{lbl}-{d}", t, a, d, prompts, workdir, args.attention_backend)
                  for lbl, (t, a) in zip(labels, pairs) for d in args.dtype]
         t0 = time.monotonic()
@@ -513,6 +559,11 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         runs = {r["label"]: r for r in out["results"]}
         for r in runs.values():
             r["backends"] = backend_lines(log_text, r["label"])
+        if cached:
+            runs.update(cached)
+            report["ref_cached"] = str(cache.path(env, wanted))
+        elif cache and wanted and all(runs[j["label"]]["ok"] for j in wanted):
+            cache.store(env, wanted, {j["label"]: runs[j["label"]] for j in wanted})
         report["runs"][env.name] = runs
         if refs is None and all(runs[j["label"]]["ok"] for j in jobs if j["label"].startswith("ref-")):
             refs = {k: v for k, v in runs.items() if k.startswith("ref-")}
@@ -693,6 +744,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, help="job files, draft logs, engine logs (default: serve_check_work/ "
                     "beside --json, else a new temporary directory; never the current directory)")
     ap.add_argument("--serve-command", help="the `vllm serve ...` line `convert` printed for the FIRST converted pair")
+    ap.add_argument("--ref-cache", type=Path, help="reuse the original's engine runs from this directory when the "
+                    "original pair, env and prompts are unchanged (and store them there); default: no cache")
     ap.add_argument("--attention-backend", help="pass to every engine (e.g. TRITON_ATTN; on CPU vLLM refuses it "
                     "and logs so; scripts/gpu_serve_check.sh compares with and without)")
     args = ap.parse_args(argv)
