@@ -108,6 +108,18 @@ def replicate_kv_heads(weight: torch.Tensor, *, num_heads: int, head_dim: int, r
     return heads.repeat_interleave(repeats, dim=0).reshape(num_heads * repeats * head_dim, *rest).view(weight.dtype)
 
 
+def repeat_rows(weight: torch.Tensor, *, repeats: int) -> torch.Tensor:
+    """[n, ...] -> [n * repeats, ...], row k repeated at k*repeats .. k*repeats + repeats - 1.
+
+    An fp8 `block` q/k/v scale: pad_head_rows puts source row j at rows j*r .. j*r + r - 1 (per half and per head
+    alike, since D/2 = r * d/2), so output row block b holds source rows of block b // r only, whatever the block
+    height, as long as blocks tile the rows.
+    """
+    if weight.dim() == 0:
+        raise ValueError("repeat_rows: expected at least one dimension")
+    return _as_int(weight).repeat_interleave(repeats, dim=0).view(weight.dtype)
+
+
 def repeat_columns(weight: torch.Tensor, *, repeats: int) -> torch.Tensor:
     """[rows, n] -> [rows, n * repeats], column c repeated at c*repeats .. c*repeats + repeats - 1.
 
@@ -125,6 +137,7 @@ TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
     "pad_head_columns": pad_head_columns,
     "replicate_kv_heads": replicate_kv_heads,
     "repeat_columns": repeat_columns,
+    "repeat_rows": repeat_rows,
 }
 
 

@@ -120,7 +120,7 @@ GROUPED_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized"
 INT4_GROUP = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                   "type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}}}}
-BLOCK_TOO_TALL = fp8_quantization_config("block", block=(16, 16))  # 16 rows > head_dim / 2 = 8
+BLOCK_UNTILED = fp8_quantization_config("block", block=(24, 8))  # 24-row blocks do not tile q_proj's 512 rows
 BLOCK_ODD_COLUMNS = fp8_quantization_config("block", block=(8, 7))
 NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
@@ -131,8 +131,8 @@ NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
     (GROUPED_FP8, "float8 group 128 (float-quantized); its scale groups would straddle original and padding"),
     (INT4_GROUP, "int4 group 128 (pack-quantized); pad-global moves only fp8 weights"),
     (NVFP4, "float4 tensor_group 16 (nvfp4-pack-quantized)"),
-    (BLOCK_TOO_TALL, "float8 block 16x16 (float-quantized); its 16-row scale blocks would mix rows of different "
-                     "half-heads (they must divide head_dim/2 = 8)"),
+    (BLOCK_UNTILED, "float8 block 24x8 (float-quantized); its 24-row scale blocks do not tile the 512 rows of "
+                    "q_proj (32 heads x 16)"),
     (BLOCK_ODD_COLUMNS, "self_attn.o_proj is quantized as float8 block 8x7 (float-quantized); its 7-column scale "
                         "blocks cannot follow columns spread x2"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quantized as gptq"),
@@ -234,11 +234,63 @@ def test_fused_qkv_block_straddling_projections_is_refused_by_name(tmp_path, run
     write_pair(tmp_path / "src", preset=preset, fused_qkv=True, quantization=config)
     words = {"per-layer": "layers.0.self_attn.qkv_proj.weight_scale holds float8 block 32x8 (float-quantized) "
                           "scales of a fused q/k/v weight, but k_proj has 16 rows, not a multiple of the 32-row block",
-             # pad-global refuses such blocks before splitting: they would also mix half-heads
-             "pad-global": "layers.0.self_attn.q_proj is quantized as float8 block 32x8 (float-quantized); its "
-                           "32-row scale blocks would mix rows of different half-heads"}
+             # pad-global refuses such blocks before splitting: they do not tile k_proj's rows either
+             "pad-global": "layers.0.self_attn.k_proj is quantized as float8 block 32x8 (float-quantized); its "
+                           "32-row scale blocks do not tile the 16 rows of k_proj (1 heads x 16)"}
     for layout, want in words.items():
         result = run_cli("convert", "--target", tmp_path / "src" / "target", "--assistant",
                          tmp_path / "src" / "assistant", "--out", tmp_path / layout, "--layout", layout)
         assert result.code == 3 and result.err.count("\n") == 1 and want in result.err, result.err
         assert not (tmp_path / layout).exists()
+
+
+# ------------------------------------------------------------------ block as tall as the head (issue 25)
+
+@pytest.mark.parametrize("block", [(16, 16), (32, 8)])
+def test_pad_global_is_exact_for_blocks_as_tall_as_a_head_or_taller(tmp_path, run_cli, block):
+    """16-row blocks on head_dim 16 (as 128-row blocks on head_dim 128) and 32-row blocks spanning two heads: padding
+    repeats row j at j*r .. j*r + r - 1, so every output block still reads one source block and its scale."""
+    # 32-row blocks do not tile o_proj's or the MLP's 336 rows: those stay bf16, the q/k/v blocks are the subject
+    ignore = (IGNORED,) if block[0] == 16 else (IGNORED, "re:.*mlp.*", r"re:.*o_proj")
+    write_pair(tmp_path / "src", preset=tiny_preset("31b"), num_shards=1,
+               quantization=fp8_quantization_config("block", ignore=ignore, block=block))
+    out = tmp_path / "out"
+    result = run_cli("convert", "--target", tmp_path / "src" / "target", "--assistant", tmp_path / "src" / "assistant",
+                     "--out", out, "--layout", "pad-global")
+    assert result.code == 0, result.err
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from converter.testing.synthetic import _fp8_block_scheme
+    scheme = _fp8_block_scheme(block).weights
+    source, output = load_tensors(tmp_path / "src" / "target"), load_tensors(out / "target")
+    for module, heads in (("q_proj", 32), ("k_proj", 16), ("v_proj", 16)):
+        name = f"{PREFIX}0.self_attn.{module}"
+        src = dequantize(source[name + ".weight"], source[name + ".weight_scale"], None, scheme, dtype=torch.float32)
+        got = dequantize(output[name + ".weight"], output[name + ".weight_scale"], None, scheme, dtype=torch.float32)
+        assert torch.equal(got, pad_head_rows(src, num_heads=heads, head_dim=16, target_head_dim=32)), name
+        assert output[name + ".weight_scale"].shape[0] == 2 * source[name + ".weight_scale"].shape[0]
+    assert run_cli("verify", "--target", tmp_path / "src" / "target", "--assistant", tmp_path / "src" / "assistant",
+                   "--converted", out, "--device", "cpu").code == 0
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_128_row_blocks_move_exactly_at_real_head_dims(head_dim):
+    """RedHatAI's FP8-block layout (128x128, compressed-tensors' own quantizer) at head_dim 128 and 256 padded x2:
+    codes and scales moved by the pad-global transforms dequantize to the padded original, bit for bit."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from converter.testing.synthetic import _fp8_block_scheme
+    from converter.transforms import repeat_rows
+
+    heads, hidden = 2, 256
+    scheme = _fp8_block_scheme((128, 128)).weights
+    weight = torch.randn(heads * head_dim, hidden, generator=torch.Generator().manual_seed(head_dim))
+    blocks = weight.reshape(heads * head_dim // 128, 128, hidden // 128, 128).permute(0, 2, 1, 3)
+    amax = blocks.abs().amax(dim=(2, 3))
+    scale, _ = calculate_qparams(-amax, amax, scheme)  # symmetric: no zero point
+    codes = quantize(weight, scale, None, scheme, dtype=torch.float8_e4m3fn)
+    original = dequantize(codes, scale, None, scheme, dtype=torch.float32)
+    padded_codes = pad_head_rows(codes, num_heads=heads, head_dim=head_dim, target_head_dim=2 * head_dim)
+    padded_scale = repeat_rows(scale, repeats=2)
+    got = dequantize(padded_codes, padded_scale, None, scheme, dtype=torch.float32)
+    assert torch.equal(got, pad_head_rows(original, num_heads=heads, head_dim=head_dim, target_head_dim=2 * head_dim))
+

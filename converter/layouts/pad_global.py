@@ -6,9 +6,10 @@ transformers version has a per-layer attribute to reject, and vLLM 0.27 builds e
 
 Quantized (compressed-tensors fp8) weights move with their per-row scales, so dequantized values are
 exactly the originals; o_proj's zero columns are exact under any per-row scale; per-tensor scales stay.
-fp8 `block` scales move too where every output block's rows (columns) come from one source block
-(FACTS.md section 9: block 128 with head_dim 256): each scale row is repeated like the head rows it covers,
-each o_proj scale column r times (zeros are exact under any scale). Other block shapes are refused by name.
+fp8 `block` scales move too where every output block's rows (columns) come from one source block: padding
+repeats source row j at rows j*r .. j*r + r - 1, so each scale row is repeated r times whenever the blocks tile
+the projection's rows (head_dim 128 or 256 with 128-row blocks alike), each o_proj scale column r times (zeros
+are exact under any scale). Other block shapes are refused by name.
 """
 
 from __future__ import annotations
@@ -97,10 +98,9 @@ class PadGlobalLayout(Layout):
         a, layer, shape = spec.attention, tensor.layer, tensor.source.shape
         target, rows_per_block = a.global_head_dim, block[0]
         if layer.head_dim != target and tensor.module in ("q_proj", "k_proj", "v_proj"):
-            heads = a.num_heads if tensor.module == "q_proj" else layer.num_kv_heads
-            return transformed(tensor, out_name, action="padded", transform="pad_head_rows",
-                               shape=(shape[0] * target // layer.head_dim, *shape[1:]), num_heads=heads,
-                               head_dim=layer.head_dim // rows_per_block, target_head_dim=target // rows_per_block)
+            ratio = target // layer.head_dim
+            return transformed(tensor, out_name, action="padded", transform="repeat_rows",
+                               shape=(shape[0] * ratio, *shape[1:]), repeats=ratio)
         if layer.head_dim != target and tensor.module == "o_proj":
             ratio = target // layer.head_dim
             return transformed(tensor, out_name, action="padded-columns", transform="repeat_columns",
@@ -155,7 +155,9 @@ def _block_problem(block: tuple[int, int], module: str, layer: LayerGeometry, a:
             return (f"its {columns}-column scale blocks cannot follow columns spread x{ratio} (they must be a multiple "
                     f"of {ratio} and tile the {a.num_heads * d} input columns)")
         return None
-    if (d // 2) % rows:
-        return (f"its {rows}-row scale blocks would mix rows of different half-heads (they must divide head_dim/2 = "
-                f"{d // 2})")
+    # pad_head_rows repeats row j at j*r .. j*r + r - 1, so an output block of `rows` rows reads source block b // r
+    # alone whenever blocks tile the projection's rows (head_dim 128 or 256 with 128-row blocks included)
+    heads = a.num_heads if module == "q_proj" else layer.num_kv_heads
+    if (heads * d) % rows:
+        return f"its {rows}-row scale blocks do not tile the {heads * d} rows of {module} ({heads} heads x {d})"
     return None
