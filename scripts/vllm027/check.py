@@ -41,6 +41,7 @@ Exit codes: 0 all checks pass; 1 a comparison or the KV-sharing check failed; 2 
 (``stage_failed`` is the first, ``checks_failed`` lists all); 3 bad arguments.
 
 usage: python scripts/vllm027/check.py --target DIR --assistant DIR [--json FILE] [--dtype D] [--loaders-only]
+       python scripts/vllm027/check.py --batch JOBS.json   (many pairs, one vLLM import; each job names its --json)
 """
 
 from __future__ import annotations
@@ -499,8 +500,11 @@ def configure(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any
     )
 
     def init_dist() -> None:
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        import torch.distributed
+
+        if not torch.distributed.is_initialized():  # once per process: --batch checks every pair in one
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
         with set_current_vllm_config(vcfg):
             ensure_model_parallel_initialized(1, 1)
 
@@ -538,11 +542,16 @@ def load_models(args: argparse.Namespace, log: Callable[[str], None]) -> Loaded:
                   spec.draft_model_config.hf_config.get_text_config(), shim, errors, recorder)
 
 
+_SHIM: dict[str, object] = {}
+
+
 def _import_vllm(loaders_only: bool) -> tuple[dict[str, object], Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import cpu_shim
 
-    shim = cpu_shim.install()
+    if not _SHIM:  # once per process (--batch): the shim registers ops
+        _SHIM.update(cpu_shim.install())
+    shim = dict(_SHIM)
     if not loaders_only:
         return shim, None
     import loader_only
@@ -667,8 +676,10 @@ def verify(loaded: Loaded, args: argparse.Namespace, result: dict[str, Any], log
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True, type=Path, help="target checkpoint directory")
-    ap.add_argument("--assistant", required=True, type=Path, help="MTP assistant checkpoint directory")
+    ap.add_argument("--target", type=Path, help="target checkpoint directory")
+    ap.add_argument("--assistant", type=Path, help="MTP assistant checkpoint directory")
+    ap.add_argument("--batch", type=Path, help="a JSON list of checks ({target, assistant, json[, dtype]}) run one "
+                    "after another in this one process (one vLLM import); each writes its own --json result")
     ap.add_argument("--json", type=Path, help="write the machine-readable result here")
     ap.add_argument("--dtype", default="float32",
                     help="vLLM model dtype (default float32: bf16/fp16 checkpoints upcast exactly)")
@@ -684,10 +695,51 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
+    if args.batch is not None:
+        return run_batch(args)
+    if args.target is None or args.assistant is None:
+        print("error: --target and --assistant are required (or --batch FILE)", file=sys.stderr)
+        return EXIT_USAGE
     for p in (args.target, args.assistant):
         if not (p / "config.json").is_file():
             print(f"error: {p}/config.json not found", file=sys.stderr)
             return EXIT_USAGE
+    return check_one(args)
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """Every check of --batch FILE in this process; each result goes to its own JSON (with its exit code). A check
+    that raises where no stage catches it is recorded as stage `internal`; the next one still runs."""
+    if args.loaders_only:
+        print("error: --loaders-only installs per-run kernel stand-ins: run those checks one per process",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        jobs = json.loads(args.batch.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"error: {args.batch}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for job in jobs:
+        one = argparse.Namespace(target=Path(job["target"]), assistant=Path(job["assistant"]),
+                                 json=Path(job["json"]), dtype=job.get("dtype", args.dtype),
+                                 max_model_len=args.max_model_len, loaders_only=False)
+        print(f"=== check {one.target} + {one.assistant} ===", flush=True)
+        try:
+            code = check_one(one)
+        except Exception as exc:  # noqa: BLE001 - one pair's surprise must not hide the others' results
+            result = {**empty_result(), "versions": versions(), "stage_failed": "internal",
+                      "error_type": type(exc).__name__, "error": traceback.format_exc(limit=5),
+                      "checks_failed": ["internal"]}
+            code = EXIT_STAGE_RAISED
+            one.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        result = json.loads(one.json.read_text())
+        result["exit_code"] = code
+        one.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return EXIT_OK
+
+
+def check_one(args: argparse.Namespace) -> int:
+    """One pair through every stage; writes --json; returns the exit code."""
     result = empty_result()
     result["versions"] = versions()
     log = lambda line: print(line, flush=True)  # noqa: E731
