@@ -17,6 +17,7 @@ from ..layouts.base import (AttentionTensor, attention_problems, expected_shape,
                             layout_from_manifest, scheme_problems)
 from ..quantization import weight_scheme
 from ..read.checkpoint import Checkpoint
+from .pitfalls import serving_pitfalls
 from .serving import VLLM_027_OLD, ServingEnv, config_form, predict, recommend, vllm_027_new
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
 
@@ -48,6 +49,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
         "geometry": _geometry(spec),
         "layers": _layers(spec, attention_tensors),
         "problems": problems,
+        "warnings": serving_pitfalls(checkpoint.config, spec),
         "shards": [{"file": s.file.name, "tensors": len(s.tensors), "bytes": s.size} for s in checkpoint.shards],
         "dtypes": dict(Counter(ref.dtype for ref in checkpoint.tensors.values())),
         "tensor_count": len(checkpoint.tensors),

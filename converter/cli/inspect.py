@@ -60,6 +60,8 @@ def render(report: dict[str, Any]) -> None:
                    f"{quant}{flag}")
     for problem in report["problems"]:
         click.echo(f"  PROBLEM: {problem}")
+    for warning in report["warnings"]:
+        click.echo(f"  WARNING: {warning}")
     dtypes = ", ".join(f"{k} x{v}" for k, v in report["dtypes"].items())
     click.echo(f"  {len(report['shards'])} shard(s), {report['tensor_count']} tensors ({dtypes}), "
                f"{human_bytes(report['total_bytes'])}")
