@@ -47,11 +47,26 @@ def dequantize(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     activation quantization."""
     result = {}
     for name, tensor in weights.items():
-        if name.endswith((".weight_scale", ".input_scale")):
+        if name.endswith((".weight_scale", ".input_scale", ".weight_shape")):
+            continue
+        if name.endswith(".weight_packed"):  # compressed-tensors pack-quantized int4 (W4A16)
+            stem = name[:-len("_packed")]
+            shape = torch.Size(int(v) for v in weights[stem + "_shape"].tolist())
+            codes = unpack_int4(tensor, shape)
+            result[stem] = codes.float() * expand_scale(weights[stem + "_scale"], shape)
             continue
         scale = weights.get(name + "_scale")
         result[name] = tensor.float() * expand_scale(scale, tensor.shape) if scale is not None else tensor
     return result
+
+
+def unpack_int4(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """compressed-tensors `pack_to_int32` undone for 4 bits: value i of a row sits at bits 4*(i % 8) of int32 word
+    i // 8, stored with the +8 offset of its unsigned range; returns the signed codes [rows, columns]."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int64)
+    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF
+    return (nibbles.reshape(packed.shape[0], -1)[:, :shape[1]] - 8).to(torch.int8)
 
 
 def expand_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .synthetic import fp8_quantization_config, modelopt_nvfp4_config, tiny_preset, write_engine_pair, write_pair
+from .synthetic import (fp8_quantization_config, modelopt_nvfp4_config, tiny_preset, w4a16_quantization_config,
+                        write_engine_pair, write_pair)
 
 ORIGINAL = "original"
 LAYOUTS = ("per-layer", "pad-global")
@@ -41,18 +42,28 @@ class Source:
     fp8: str | None = None  # compressed-tensors weight strategy
     unified: bool = False  # gemma4_unified + gemma4_unified_assistant
     nvfp4: bool = False  # Model Optimizer NVFP4 MLP, attention excluded
+    w4a16: bool = False  # compressed-tensors pack-quantized int4 group 32 (Google's QAT W4A16)
+    width_divisor: int = 16  # tiny_preset widths (8: multiples of 32, what vLLM's CPU int4 kernel needs)
+    layouts: tuple[str, ...] = LAYOUTS  # the layouts that convert it (the others refuse it by name)
 
     @property
     def quantization(self) -> dict | None:
         if self.nvfp4:
             return modelopt_nvfp4_config()
+        if self.w4a16:
+            return w4a16_quantization_config()
         return fp8_quantization_config(self.fp8, block=FP8_BLOCK) if self.fp8 else None
 
     @property
-    def loaders_only(self) -> bool:
-        """vLLM 0.27 selects no CPU GEMM kernel for these linear layers: the check stands in for it and compares
-        the tensors as the weight loaders left them (scripts/vllm027/loader_only.py)."""
+    def kernel_refused(self) -> bool:
+        """vLLM 0.27 selects no CPU GEMM kernel for these linear layers: the check stands in for it."""
         return self.nvfp4 or self.fp8 == "block"
+
+    @property
+    def loaders_only(self) -> bool:
+        """The tensors are compared as the weight loaders left them (scripts/vllm027/loader_only.py): where no CPU
+        kernel exists (a stand-in takes its place), and for int4, whose CPU kernel repacks the weights after."""
+        return self.kernel_refused or self.w4a16
 
     @property
     def checker_args(self) -> tuple[str, ...]:
@@ -69,6 +80,8 @@ class Source:
             parts.append(f"fp8 {self.fp8}")
         if self.nvfp4:
             parts.append("nvfp4")
+        if self.w4a16:
+            parts.append("w4a16 int4 group 32")
         if self.unified:
             parts.append("gemma4_unified")
         return ", ".join(parts)
@@ -94,6 +107,10 @@ SOURCES = {
     "31b-mm-resaved": Source("31b", "per_layer_config", multimodal=True, num_shards=2),
     # gemma4_unified (12B family: encoder-free vision embedder) with gemma4_unified_assistant
     "31b-unified": Source("31b", "legacy", multimodal=True, num_shards=2, unified=True),
+    # compressed-tensors W4A16 written by its own PackedQuantizationCompressor, like google/gemma-4-*-it-qat-w4a16-ct
+    # (int4 symmetric group 32, weight-only; k_eq_v full layers without v_proj); pad-global refuses it by name
+    "31b-w4a16": Source("31b", "legacy", multimodal=False, num_shards=2, w4a16=True, width_divisor=8,
+                        layouts=("per-layer",)),
 }
 
 # Negative control: a pad-global target beside the ORIGINAL assistant loads and every tensor matches, but the
@@ -125,7 +142,8 @@ _BOTH = (LEGACY_TRANSFORMERS, NEWEST)
 # under both transformers generations, plus the per_layer_config source there and the KV-shared E2B pair.
 # CI's live subset: the 31B multimodal pair in every variant on 0.27.0 under both generations, and the control.
 LOADER_ROWS: tuple[LoaderRow, ...] = tuple(
-    [LoaderRow(s, v, "0.27.0", t, ci=(s == _CI_SOURCE)) for s in SOURCES for v in VARIANTS for t in _BOTH]
+    [LoaderRow(s, v, "0.27.0", t, ci=(s == _CI_SOURCE)) for s in SOURCES for v in (ORIGINAL, *SOURCES[s].layouts)
+     for t in _BOTH]
     + [LoaderRow(_CI_SOURCE, FLAT_KEYS_ONLY, "0.27.0", t) for t in _BOTH]
     + [LoaderRow(_CI_SOURCE, MIXED, "0.27.0", LEGACY_TRANSFORMERS, ci=True)]
     + [LoaderRow(s, v, "0.27.0", t) for t in ("5.15.0", "5.19.0")
@@ -164,11 +182,12 @@ def build_loader_case(name: str, root: Path, *, variants: tuple[str, ...] | None
     """
     source = SOURCES[name]
     original = root / name / ORIGINAL
-    write_pair(original, preset=tiny_preset(source.preset), dialect=source.dialect, multimodal=source.multimodal,
-               num_shards=source.num_shards, unified=source.unified, quantization=source.quantization)
+    write_pair(original, preset=tiny_preset(source.preset, width_divisor=source.width_divisor), dialect=source.dialect,
+               multimodal=source.multimodal, num_shards=source.num_shards, unified=source.unified,
+               quantization=source.quantization)
     built = {ORIGINAL: original}
     for variant, (layout, *options) in CONVERSIONS.items():
-        wanted = variants is None or variant in variants
+        wanted = (variants is None or variant in variants) and layout in source.layouts
         if not wanted or (variant == FLAT_KEYS_ONLY and name != _CI_SOURCE):
             continue
         convert_pair(original, root / name / variant, layout, *options)

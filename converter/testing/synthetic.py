@@ -128,11 +128,12 @@ def scaled_preset(name: str, *, width_divisor: int = 1, num_layers: int | None =
                    vision_hidden_size=max(base.vision_hidden_size // div, 16), assistant=assistant)
 
 
-def tiny_preset(name: str = "31b") -> Preset:
-    """KB-sized pair with the real ratios (d=16, D=32 for 31B), for unit tests."""
+def tiny_preset(name: str = "31b", *, width_divisor: int = 16) -> Preset:
+    """KB-sized pair with the real ratios (d=16, D=32 for 31B), for unit tests; width_divisor 8 gives widths
+    that are multiples of 32 (hidden 672), what vLLM's CPU int4 kernel requires."""
     period = len(PRESETS[name].layer_types)
     layers = 2 * period if PRESETS[name].num_kv_shared_layers else period
-    small = scaled_preset(name, width_divisor=16, num_layers=layers, vocab_size=256)
+    small = scaled_preset(name, width_divisor=width_divisor, num_layers=layers, vocab_size=256)
     return replace(small, intermediate_size=2 * small.hidden_size, vision_hidden_size=16,
                    assistant=replace(small.assistant, intermediate_size=2 * small.assistant.hidden_size))
 
@@ -465,6 +466,43 @@ def quantize_fp8(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, tor
     return quantized, scale
 
 
+W4A16_GROUP = 32  # google/gemma-4-*-it-qat-w4a16-ct: int4 symmetric, group 32, weight-only
+
+
+def _w4a16_scheme(group: int):
+    """compressed-tensors' W4A16 preset (int4 symmetric weight-only groups) at `group` columns per scale."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    scheme = preset_name_to_scheme("W4A16", ["Linear"])
+    return scheme.model_copy(update={"weights": scheme.weights.model_copy(update={"group_size": group})})
+
+
+def w4a16_quantization_config(*, group: int = W4A16_GROUP, ignore: tuple[str, ...] = ()) -> dict:
+    """quantization_config of a compressed-tensors `pack-quantized` W4A16 checkpoint, as ModelCompressor writes it
+    (Google's QAT W4A16 checkpoints: int4 symmetric, group 32, weight-only; vision, embeddings, lm_head bf16)."""
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig
+    config = QuantizationConfig(config_groups={"group_0": _w4a16_scheme(group)}, ignore=[*DEFAULT_IGNORE, *ignore],
+                                format="pack-quantized", quantization_status="compressed")
+    return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "sparsity_config": {},
+            "transform_config": {}, **config.model_dump(exclude=["quant_method"])}
+
+
+def quantize_w4a16(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """`weight_packed` int32 [out, in/8], `weight_scale` [out, in/group], `weight_shape` [2], from compressed-tensors'
+    own calculate_qparams and PackedQuantizationCompressor.compress (one absmax per group of `group` columns)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+    scheme = _w4a16_scheme(group)
+    rows, columns = weight.shape
+    if columns % group:
+        raise ValueError(f"synthetic W4A16 group {group} must tile the {columns} input columns")
+    amax = weight.float().reshape(rows, columns // group, group).abs().amax(-1)
+    scale, _ = calculate_qparams(-amax, amax, scheme.weights)
+    compressed = PackedQuantizationCompressor.compress({"weight": weight, "weight_scale": scale.to(weight.dtype)},
+                                                       scheme)
+    return {name: compressed[name] for name in ("weight_packed", "weight_scale", "weight_shape")}
+
+
 NVFP4_GROUP = 16
 MODELOPT_EXCLUDE = ("lm_head", "*self_attn*", "*vision_tower*", "*embed_vision*")
 
@@ -547,12 +585,17 @@ def _materialize_all(group: list[TensorSpec], dtype: torch.dtype, generator: tor
                      quantization: dict | None) -> dict[str, torch.Tensor]:
     tensors = {}
     strategy = block = None
+    packed = bool(quantization) and quantization.get("format") == "pack-quantized"
     if quantization and "config_groups" in quantization:
         weights = quantization["config_groups"]["group_0"]["weights"]
         strategy, block = weights["strategy"], weights.get("block_structure")
     for spec in group:
         values = _materialize(spec, dtype, generator)
-        if _quantized_module(spec, quantization) and quantization.get("quant_method") == "modelopt":
+        if _quantized_module(spec, quantization) and packed:
+            stem = spec.name[:-len("weight")]
+            for name, tensor in quantize_w4a16(values, int(weights["group_size"])).items():
+                tensors[stem + name] = tensor
+        elif _quantized_module(spec, quantization) and quantization.get("quant_method") == "modelopt":
             for suffix, tensor in quantize_nvfp4(values).items():
                 # `weight`, `weight_scale`, `weight_scale_2`; the activation scale sits beside the weight
                 tensors[spec.name[:-len("weight")] + suffix if suffix == "input_scale" else spec.name + suffix] = tensor

@@ -299,7 +299,11 @@ def compare(got: dict[str, Any], ckpt: Checkpoint, exp: ExpectedSet,
         if name not in got:
             res.missing.append(name)
             continue
-        _check(res, name, sources, got[name].detach(), expected_tensor([ckpt.get(s) for s in sources]))
+        parts = [ckpt.get(s) for s in sources]
+        if name.endswith(".weight_shape") and len(parts) > 1:
+            _check_fused_shape(res, name, sources, got[name].detach(), parts)
+            continue
+        _check(res, name, sources, got[name].detach(), expected_tensor(parts))
     before_processing = classes is not None  # the KV-cache parameters exist only then
     for name in sorted(set(got) - set(exp.expected)):
         have = got[name].detach()
@@ -343,6 +347,19 @@ def _check(res: CompareResult, name: str, sources: tuple[str, ...], have: Any, w
         res.mismatches.append(
             asdict(TensorResult(name, sources, tuple(want.shape), tuple(have.shape), str(have.dtype)))
         )
+
+
+def _check_fused_shape(res: CompareResult, name: str, sources: tuple[str, ...], have: Any, parts: list[Any]) -> None:
+    """A fused layer's `weight_shape` (compressed-tensors pack-quantized): vLLM keeps ONE [out, in] parameter and
+    each part's loader overwrites it (parameter.py BasevLLMParameter.load_qkv_weight / load_merged_column_weight:
+    `_assert_and_load`), so it must equal one part's shape, and every part must share its input size."""
+    import torch
+
+    equal = any(torch.equal(have, part.to(have.dtype)) for part in parts) and len({int(p[1]) for p in parts}) == 1
+    _tally(res, name, equal)
+    if not equal:
+        res.mismatches.append(asdict(TensorResult(name, sources, tuple(parts[0].shape), tuple(have.shape),
+                                                  str(have.dtype))))
 
 
 def _tally(res: CompareResult, name: str, equal: bool) -> None:
