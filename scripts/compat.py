@@ -6,8 +6,9 @@ engine tests of every row, the `compat`-marked ones included, with each row reco
 every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md. Incremental by default: a row
 whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
 
-usage: scripts/compat.py [--all] [--timings FILE] SPEC [SPEC ...]
-exit: 0 ledger written; 1 a test failed or an env could not be built (the ledger is left as it was); 2 usage.
+usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] SPEC [SPEC ...]
+exit: 0 ledger written; 1 a test failed or an env could not be built (the ledger is left as it was, and the rows
+that passed are kept in RESUME_FILE for `--resume`); 2 usage.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from converter.advice.compat import (LEDGER_PATH, ledger_document, render_markdo
                                      row_from_dict)
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"
+RESUME_FILE = Path.home() / ".cache" / "gemma4-convert" / "compat-resume.jsonl"
 TESTS = ("tests/test_vllm027.py", "tests/test_vllm027_predictions.py", "tests/test_transformers_pins.py",
          "tests/test_engine027.py")
 
@@ -43,9 +45,10 @@ def build_envs(specs: list[str]) -> tuple[list[str], float]:
     return proc.stdout.split(), time.monotonic() - start
 
 
-def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool) -> int:
+def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool, resume: Path | None) -> int:
     env = dict(os.environ, GEMMA4_VLLM_PYTHONS=os.pathsep.join(pythons), GEMMA4_REQUIRE_VLLM="1",
-               GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0")
+               GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0",
+               GEMMA4_LEDGER_RESUME=str(resume or ""))
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm027 or engine027",
            f"--junitxml={junit}", *TESTS]
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("specs", nargs="+", metavar="SPEC", help="PACKAGE:VERSION:TRANSFORMERS (envs.sh)")
     parser.add_argument("--all", action="store_true", help="re-run every row, even those the ledger already proves")
+    parser.add_argument("--resume", type=Path, metavar="ROWS",
+                        help=f"carry over the passed rows of an earlier failed run (it saves them in {RESUME_FILE})")
     parser.add_argument("--timings", type=Path, help="write env build and per-module seconds to this JSON file")
     args = parser.parse_args(argv)
 
@@ -72,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gemma4-compat-") as tmp:
         rows_file, junit = Path(tmp) / "rows.jsonl", Path(tmp) / "junit.xml"
         rows_file.touch()
-        code = run_matrix(pythons, rows_file, junit, reuse=not args.all)
+        code = run_matrix(pythons, rows_file, junit, reuse=not args.all or args.resume is not None,
+                          resume=args.resume)
         lines = [line for line in rows_file.read_text(encoding="utf-8").splitlines() if line.strip()]
         rows = [row_from_dict(json.loads(line), where=str(rows_file)) for line in lines]
         modules = module_seconds(junit) if junit.exists() else {}
@@ -81,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         args.timings.write_text(json.dumps({"envs_s": round(env_seconds, 1), "modules_s": modules,
                                             "wall_s": round(wall, 1), "rows": len(rows)}, indent=2) + "\n")
     if code != 0:
-        print(f"compat: the matrix failed (pytest exit {code}); {LEDGER_PATH.relative_to(REPO)} left as it was",
-              file=sys.stderr)
+        RESUME_FILE.parent.mkdir(parents=True, exist_ok=True)
+        RESUME_FILE.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        print(f"compat: the matrix failed (pytest exit {code}); {LEDGER_PATH.relative_to(REPO)} left as it was; the "
+              f"{len(rows)} rows that passed are in {RESUME_FILE}: fix, then `make compat COMPAT_ARGS='--resume "
+              f"{RESUME_FILE}'` re-runs only the rest", file=sys.stderr)
         return 1
     LEDGER_PATH.write_text(json.dumps(ledger_document(rows), indent=1) + "\n", encoding="utf-8")
     DOC.write_text(render_markdown(rows), encoding="utf-8")

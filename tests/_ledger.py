@@ -1,6 +1,6 @@
 """Recording ledger rows from the loader and engine tests, for `make compat` (scripts/compat.py).
 
-GEMMA4_LEDGER_ROWS=FILE: every checked row is appended to FILE (JSON lines of LedgerRow) whatever its outcome.
+GEMMA4_LEDGER_ROWS=FILE: every checked row whose test passed is appended to FILE (JSON lines of LedgerRow).
 GEMMA4_LEDGER_REUSE=1: a row whose key, output digest and environment (vLLM, transformers, torch) equal a row of
 the committed ledger is not run again: the test skips, naming the date it was measured, and the row is carried into
 FILE as it was. FILE then holds the whole new ledger.
@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import LedgerRow, load_ledger
+from converter.advice.compat import LedgerRow, load_ledger, row_from_dict
 
 ROWS_VAR = "GEMMA4_LEDGER_ROWS"
 REUSE_VAR = "GEMMA4_LEDGER_REUSE"
+RESUME_VAR = "GEMMA4_LEDGER_RESUME"  # rows of an interrupted or failed `make compat` (JSON lines), reused like the ledger
 
 
 def recording() -> bool:
@@ -39,11 +40,21 @@ def record(row: LedgerRow) -> None:
             out.write(json.dumps(asdict(row)) + "\n")
 
 
+def _reusable() -> tuple[LedgerRow, ...]:
+    rows = load_ledger()
+    resume = os.environ.get(RESUME_VAR)
+    if resume and Path(resume).is_file():
+        lines = Path(resume).read_text(encoding="utf-8").splitlines()
+        rows += tuple(row_from_dict(json.loads(line), where=resume) for line in lines if line.strip())
+    return rows
+
+
 def unchanged(key: tuple, digest: str, torch: str) -> LedgerRow | None:
-    """The committed ledger's row for this very output and env, when GEMMA4_LEDGER_REUSE=1; else None."""
+    """The row for this very output and env in the committed ledger (or the resumed rows of an earlier run whose
+    tests passed), when GEMMA4_LEDGER_REUSE=1; else None."""
     if os.environ.get(REUSE_VAR) != "1":
         return None
-    return next((row for row in load_ledger() if row.key == key and row.digest == digest and row.torch == torch),
+    return next((row for row in _reusable() if row.key == key and row.digest == digest and row.torch == torch),
                 None)
 
 

@@ -67,6 +67,12 @@ NOISE_FACTOR = 2.0
 # Floor under the noise: runs that happen to agree bit for bit would otherwise demand exact equality from a
 # pair whose matmul shapes differ (pad-global); 1e-5 is far below any real numerical difference.
 NOISE_FLOOR = 1e-5
+# Floor under the fp32 logprob tolerance. pad-global sums each padded head in another order than the original, an
+# fp32 rounding difference of its own: measured |delta logprob| 6.3e-4 (31B), 1.1e-3 (E2B), 2.0e-3 (26B-A4B) on
+# this machine, while the original's own noise ranged from bit-identical reruns (the 1e-5 floor, 2026-12-01, two
+# jobs sharing the cores) to 1.2e-3. A verdict must not flip with the machine's load; tokens and draft tokens stay
+# exact, and the negative controls differ by 6e-2 and more.
+FP32_ORDER_FLOOR = 2e-3
 BACKEND_LINE = re.compile(r"(attention backend|TRITON_ATTN|CPU_ATTN|Using [A-Za-z_]+ backend)", re.I)
 ENGINE_LOCK = "/tmp/gemma4-vllm.lock"
 
@@ -303,7 +309,7 @@ def noise_fp32(ref_a: dict, ref_b: dict) -> float:
 
 
 def fp32_tolerance(noise: float) -> float:
-    return NOISE_FACTOR * noise
+    return NOISE_FACTOR * max(noise, FP32_ORDER_FLOOR)
 
 
 def bf16_deviation(ref_bf16: dict, ref_fp32: dict) -> float:
@@ -398,7 +404,8 @@ def judge_fp32(pair: str, env: str, run: dict, ref_a: dict, noise: float) -> Ver
     if c.bad_drafts:
         v.reasons.append(f"{c.bad_drafts} of {c.drafts} draft tokens differ")
     if c.worst > tolerance:
-        v.reasons.append(f"max |delta logprob| {c.worst:.2e} > {NOISE_FACTOR:g} x run-to-run noise {noise:.2e}")
+        v.reasons.append(f"max |delta logprob| {c.worst:.2e} > {NOISE_FACTOR:g} x max(run-to-run noise {noise:.2e}, "
+                         f"fp32 order floor {FP32_ORDER_FLOOR:g})")
     v.passed = not v.reasons
     return v
 
