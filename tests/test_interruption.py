@@ -84,8 +84,11 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _start_and_stop(point: str, argv: list[str]) -> subprocess.Popen:
     """Starts the converter and returns once it has stopped itself at `point` (fails if it exits instead)."""
+    # SIGINT at its default: a test run started in the background (nohup, `cmd &` in a script) passes SIGINT on
+    # ignored, and Python then installs no KeyboardInterrupt handler: the SIGINT case would test the shell, not us
     child = subprocess.Popen([sys.executable, "-c", _DRIVER, point, *argv], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _, status = os.waitpid(child.pid, os.WUNTRACED)
     if not os.WIFSTOPPED(status):
         child.returncode = os.waitstatus_to_exitcode(status)
