@@ -21,7 +21,7 @@ from converter.advice.compat import LedgerRow, load_ledger, row_from_dict
 
 ROWS_VAR = "GEMMA4_LEDGER_ROWS"
 REUSE_VAR = "GEMMA4_LEDGER_REUSE"
-RESUME_VAR = "GEMMA4_LEDGER_RESUME"  # rows of an interrupted or failed `make compat` (JSON lines), reused like the ledger
+RESUME_VAR = "GEMMA4_LEDGER_RESUME"  # rows of a failed `make compat` (JSON lines), reused like the ledger
 
 
 def recording() -> bool:

@@ -50,7 +50,8 @@ def _target_pitfalls(config: Mapping[str, Any], spec: ModelSpec) -> list[str]:
     if _fp8_kv_cache(spec.quantization):
         warnings.append("this target declares a quantized KV cache: the MTP assistant reads the target's cache and "
                         "has no KV scales of its own, and vLLM served it with scales of 1.0 (vLLM #49262: acceptance "
-                        "65-77 % -> 34-46 %); measure acceptance with and without --kv-cache-dtype fp8 before keeping it")
+                        "65-77 % -> 34-46 %); measure acceptance with and without --kv-cache-dtype fp8 before "
+                        "keeping it")
     return warnings
 
 
