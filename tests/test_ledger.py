@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from converter.advice.compat import (CHECK_ENGINE, CHECK_LOADER, LEDGER_PATH, PASS, LedgerRow, load_ledger,
-                                     render_table, stale_rows)
+                                     render_table, stale_rows, version_key)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
 from converter.testing.cases import (CONVERSIONS, ENGINE_SOURCES, ENGINE_VLLM, LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED,
@@ -39,8 +39,7 @@ def test_every_ledger_digest_matches_a_fresh_conversion(ledger, fresh_digests):
 
 
 def _newest(ledger, vllm: str, check: str) -> str:
-    return max((r.transformers for r in ledger if r.vllm == vllm and r.check == check),
-               key=lambda v: tuple(int(p) for p in v.split(".")))
+    return max((r.transformers for r in ledger if r.vllm == vllm and r.check == check), key=version_key)
 
 
 def _variant(variant: str) -> str:

@@ -9,6 +9,7 @@ rebuilds every case and refuses a ledger whose digests no longer match (tests/te
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -97,22 +98,21 @@ def load_ledger(path: Path = LEDGER_PATH) -> tuple[LedgerRow, ...]:
     return tuple(row_from_dict(row, where=str(path)) for row in document.get("rows", []))
 
 
+def sorted_rows(rows: Iterable[LedgerRow]) -> list[LedgerRow]:
+    """Rows in the ledger's stable order: check, case, variant, release, transformers, TP, dtype."""
+    return sorted(rows, key=lambda r: (r.check, r.case, r.variant, version_key(r.vllm), version_key(r.transformers),
+                                       r.tp, r.dtype))
+
+
 def ledger_document(rows: Iterable[LedgerRow]) -> dict[str, Any]:
-    """The JSON document of a ledger, rows in a stable order (case, variant, check, release, transformers)."""
-    ordered = sorted(rows, key=lambda r: (r.check, r.case, r.variant, _version_key(r.vllm),
-                                          _version_key(r.transformers), r.tp, r.dtype))
-    return {"version": LEDGER_VERSION, "rows": [asdict(r) for r in ordered]}
+    """The JSON document of a ledger, rows in sorted_rows order."""
+    return {"version": LEDGER_VERSION, "rows": [asdict(r) for r in sorted_rows(rows)]}
 
 
-def merge_rows(old: Iterable[LedgerRow], new: Iterable[LedgerRow]) -> tuple[LedgerRow, ...]:
-    """The ledger after a run: every new row replaces the old row of its key; old rows not re-run stay."""
-    merged = {r.key: r for r in old}
-    merged.update((r.key, r) for r in new)
-    return tuple(merged.values())
-
-
-def _version_key(version: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in version.replace("+", ".").split("."))
+def version_key(version: str) -> tuple[int, ...]:
+    """(0, 27, 0) for "0.27.0"; a local tag or pre-release suffix is ignored ("5.15.0rc1+cpu" -> (5, 15, 0))."""
+    match = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 
 
 def stale_rows(rows: Iterable[LedgerRow], digests: Mapping[tuple[str, str], str]) -> list[str]:
@@ -136,19 +136,6 @@ def stale_rows(rows: Iterable[LedgerRow], digests: Mapping[tuple[str, str], str]
     return problems
 
 
-def proven(rows: Iterable[LedgerRow], layout: str | None = None) -> tuple[LedgerRow, ...]:
-    """The rows that passed as predicted, of one layout (all layouts: None)."""
-    return tuple(r for r in rows if r.verdict == PASS == r.expected and (layout is None or r.layout == layout)
-                 and not r.options)
-
-
-def proven_versions(rows: Iterable[LedgerRow], layout: str | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(vLLM releases, transformers releases) on which `layout` passed, oldest first."""
-    passed = proven(rows, layout)
-    return (tuple(sorted({r.vllm for r in passed}, key=_version_key)),
-            tuple(sorted({r.transformers for r in passed}, key=_version_key)))
-
-
 def summarize(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     """One line per (layout, check, vLLM, transformers, tp): how many cases passed of how many, the newest date."""
     groups: dict[tuple, list[LedgerRow]] = {}
@@ -156,7 +143,7 @@ def summarize(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
         groups.setdefault((row.variant, row.check, row.vllm, row.transformers, row.tp), []).append(row)
     lines = []
     for (variant, check, vllm, transformers, tp), members in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _version_key(kv[0][2]), _version_key(kv[0][3]))):
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], version_key(kv[0][2]), version_key(kv[0][3]))):
         lines.append({"layout": variant, "check": check, "vllm": vllm, "transformers": transformers, "tp": tp,
                       "passed": sum(r.verdict == PASS for r in members), "rows": len(members),
                       "as_predicted": all(r.verdict == r.expected for r in members),
@@ -212,8 +199,7 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
     out += ["", "## Rows", "",
             "| check | case | form | layout | vLLM | transformers | torch | dtype | verdict | expected | figures | "
             "measured | digest | detail |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in ledger_document(rows)["rows"]:
-        row = LedgerRow(**r)
+    for row in sorted_rows(rows):
         torch = row.torch + ("" if row.torch_pin else " (off-pin)")
         detail = row.detail.replace("|", "\\|")
         out.append(f"| {row.check} | {row.case} | {row.form} | {row.variant} | {row.vllm} ({row.vllm_package}) | "

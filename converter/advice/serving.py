@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..gemma4 import DIALECT_LEGACY, ModelSpec
-from .compat import CHECK_LOADER, load_ledger
+from .compat import CHECK_LOADER, load_ledger, version_key
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
@@ -39,12 +38,6 @@ def tested_releases() -> tuple[tuple[str, ...], tuple[str, ...]]:
     rows = [r for r in load_ledger() if r.check == CHECK_LOADER]
     return (tuple(sorted({r.vllm for r in rows}, key=version_key)),
             tuple(sorted({r.transformers for r in rows}, key=version_key)))
-
-
-def version_key(version: str) -> tuple[int, ...]:
-    """(0, 27, 0) for "0.27.0"; a local tag or pre-release suffix is ignored ("5.15.0rc1+cpu" -> (5, 15, 0))."""
-    match = re.match(r"\d+(?:\.\d+)*", version.strip())
-    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 
 
 @dataclass(frozen=True)
