@@ -28,6 +28,10 @@ def recording() -> bool:
     return bool(os.environ.get(ROWS_VAR))
 
 
+def reusing() -> bool:
+    return os.environ.get(REUSE_VAR) == "1"
+
+
 def today() -> str:
     return datetime.date.today().isoformat()
 
@@ -52,7 +56,7 @@ def _reusable() -> tuple[LedgerRow, ...]:
 def unchanged(key: tuple, digest: str, torch: str) -> LedgerRow | None:
     """The row for this very output and env in the committed ledger (or the resumed rows of an earlier run whose
     tests passed), when GEMMA4_LEDGER_REUSE=1; else None."""
-    if os.environ.get(REUSE_VAR) != "1":
+    if not reusing():
         return None
     return next((row for row in _reusable() if row.key == key and row.digest == digest and row.torch == torch),
                 None)
