@@ -114,6 +114,12 @@ class AttentionConfig:
     def layers(self) -> tuple[LayerGeometry, ...]:
         return tuple(self.layer(i) for i in range(len(self.layer_types)))
 
+    @property
+    def mixed_kv_heads(self) -> bool:
+        """Layer types differ in KV-head count (31B, 26B-A4B: 16 sliding, 4 or 2 global), which vLLM 0.21 and 0.22
+        get wrong in the draft (they build every draft layer with the sliding count)."""
+        return len({g.num_kv_heads for g in self.layers}) > 1
+
 
 @dataclass(frozen=True)
 class MoeConfig:

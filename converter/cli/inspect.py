@@ -8,9 +8,9 @@ from typing import Any
 import click
 
 from ..advice.report import inspect_checkpoint, summarize_layers
-from ..advice.serving import read_serving_env
+from ..advice.serving import NO_CONVERSION, parse_serving, read_serving_env
 from ..cost import KvCost, human_bytes
-from ..errors import InputError
+from ..errors import InputError, UsageError
 from ..hub.download import LocalSource, open_checkpoint
 from ._common import PATH, SOURCE_HEADERS, echo_json, kv_cost_lines
 
@@ -21,13 +21,20 @@ from ._common import PATH, SOURCE_HEADERS, echo_json, kv_cost_lines
 @click.option("--serving-python", type=PATH, default=None, metavar="PYTHON",
               help="The python of the environment vLLM serves from: its vLLM and transformers versions are read "
                    "(nothing is imported) and the prediction and recommendation are for exactly that environment.")
-def command(src: LocalSource, as_json: bool, serving_python: Path | None) -> None:
+@click.option("--serving", "serving_spec", default=None, metavar="vllm==X[,transformers==Y]",
+              help="Declare the serving environment without having it installed (convert on one machine, serve on "
+                   "another): the answer is what the compatibility ledger measured for that vLLM release (and "
+                   "transformers; without it, every transformers the release was measured with).")
+def command(src: LocalSource, as_json: bool, serving_python: Path | None, serving_spec: str | None) -> None:
     """Describe a checkpoint from config.json and safetensors headers only (no tensor data is read).
 
     SRC is a directory or a Hub repo id OWNER/NAME[@REVISION]; for a repo only config and headers are fetched.
     Exits 3 when it reports a problem (config against tensors, dtypes; a broken index or header stops it).
     """
-    serving = read_serving_env(serving_python) if serving_python is not None else None
+    if serving_python is not None and serving_spec is not None:
+        raise UsageError("give --serving-python or --serving, not both")
+    serving = read_serving_env(serving_python) if serving_python is not None else \
+        parse_serving(serving_spec) if serving_spec is not None else None
     report = inspect_checkpoint(open_checkpoint(src), serving=serving)
     if as_json:
         echo_json(report)
@@ -104,14 +111,17 @@ def render_recommendation(rec: dict[str, Any]) -> None:
     env = rec["environment"]
     if env is not None:
         outcome = env["outcome"]
-        click.echo(f"  your serving environment ({env['python']}): vLLM {env['vllm']} + transformers "
-                   f"{env['transformers']}{'' if env['tested'] else ' (this exact pair is not in the tested matrix)'}"
+        where = f" ({env['python']})" if env["python"] else " (declared)"
+        versions = f"vLLM {env['vllm']}" + (f" + transformers {env['transformers']}" if env["transformers"] else "")
+        click.echo(f"  your serving environment{where}: {versions}"
+                   f"{'' if env['tested'] else ' (not in the compatibility ledger)'}"
                    f": {outcome['outcome']}" + (f" ({outcome['error']})" if outcome["error"] else ""))
-    if rec["layout"] is None:
-        verdict = "no conversion needed" if rec["no_conversion_needed"] else "none"
+    if rec["layout"] in (None, NO_CONVERSION):
+        verdict = "no conversion needed" if rec["no_conversion_needed"] else "none proven"
         click.echo(f"  recommendation: {verdict} - {rec['why']}")
         return
-    click.echo(f"  recommendation: --layout {rec['layout']} - {rec['why']}")
+    proven = "" if rec["proven"] else " (not proven in exactly this environment)"
+    click.echo(f"  recommendation: --layout {rec['layout']}{proven} - {rec['why']}")
     if rec["no_conversion_needed_when"]:
         click.echo(f"    no conversion is needed where {rec['no_conversion_needed_when']}: it serves as it is there")
     if rec["alternative"]:

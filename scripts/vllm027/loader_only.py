@@ -21,7 +21,10 @@ functions where the schemes look them up: the stock selection runs first; only w
 input quant key, does nothing after loading and raises on use. The loader's ``process_weights_after_loading`` is
 also wrapped to take a copy of every parameter and persistent buffer before it runs: that copy, the tensors as the
 weight loaders left them, is what check.py compares. The stock post-processing then still runs (with the stand-in,
-the part that needs the missing kernel, the AMX repack or an NVFP4 GEMM's swizzle, is what does not).
+the part that needs the missing kernel, the AMX repack or an NVFP4 GEMM's swizzle, is what does not). Where the
+post-processing itself calls a CPU kernel's op that the CUDA wheel's ``torch.ops._C`` lacks (vLLM 0.33's CPU MoE
+experts prepack their weights with ``prepack_moe_weight``), that call is the refusal recorded, and it ends the
+post-processing.
 """
 
 from __future__ import annotations
@@ -78,15 +81,26 @@ def _selection_with_stand_in(real: Callable[..., Any], name: str, rec: Recorder)
     return select
 
 
+_INSTALLED: list[Recorder] = []  # once per process (check.py --batch): the wrappers stay, the record restarts
+
+
 def install(snapshot: Callable[[Any], dict[str, Any]]) -> Recorder:
     """Wraps the kernel selections and the loader's post-processing; `snapshot(model)` names the tensors to copy.
+    A second call installs nothing more and empties the record for the next check.
 
     Returns:
         The Recorder check.py reads after get_model.
     """
     import importlib
 
+    if _INSTALLED:
+        rec = _INSTALLED[0]
+        rec.refusals.clear()
+        rec.loaded.clear()
+        rec.classes.clear()
+        return rec
     rec = Recorder()
+    _INSTALLED.append(rec)
     for module_name, fn_name in _SELECTION_SITES:
         module = importlib.import_module(module_name)
         setattr(module, fn_name, _selection_with_stand_in(getattr(module, fn_name), fn_name, rec))
@@ -97,7 +111,16 @@ def install(snapshot: Callable[[Any], dict[str, Any]]) -> Recorder:
         tensors = snapshot(model)
         rec.loaded[id(model)] = {n: t.detach().clone() for n, t in tensors.items()}
         rec.classes[id(model)] = {n: type(t).__name__ for n, t in tensors.items()}
-        return real_process(model, *args, **kwargs)
+        try:
+            return real_process(model, *args, **kwargs)
+        except AttributeError as exc:
+            # a CPU kernel's repack op the CUDA wheel's torch.ops._C lacks (0.33's CPU MoE experts call
+            # prepack_moe_weight): the post-processing needs the missing kernel, the loaded copy is taken
+            if "_OpNamespace" not in str(exc):
+                raise
+            key = ("process_weights_after_loading", " ".join(str(exc).split()))
+            rec.refusals[key] = rec.refusals.get(key, 0) + 1
+            return None
 
     loader.process_weights_after_loading = process
     return rec

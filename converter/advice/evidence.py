@@ -1,0 +1,79 @@
+"""What the ledger measured for a config form in one serving environment, and the nearest proven rows where it
+measured nothing.
+
+`inspect`, `convert` and the card answer from here: a verdict is what the real stock vLLM loader did with a
+synthetic pair of the same config form and KV-head pattern (converter/advice/ledger.json, `make compat`), never a
+rule applied to a release nobody ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .compat import CHECK_LOADER, PASS, LedgerRow, load_ledger, version_key
+
+NEAREST_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What decides how a vLLM release treats a checkpoint: its config form (advice/serving.py FORM_*) and whether
+    its KV-head count differs between layer types ("mixed") or not ("uniform")."""
+
+    form: str
+    kv_heads: str
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The ledger rows of one shape in one environment (empty: not proven there) and the nearest proven ones."""
+
+    rows: tuple[LedgerRow, ...]
+    nearest: tuple[LedgerRow, ...]
+
+    @property
+    def proven(self) -> bool:
+        return bool(self.rows)
+
+    @property
+    def loads(self) -> bool:
+        return self.proven and all(r.verdict == PASS for r in self.rows)
+
+    @property
+    def failing(self) -> tuple[LedgerRow, ...]:
+        return tuple(r for r in self.rows if r.verdict != PASS)
+
+
+def serving_rows(rows: Iterable[LedgerRow] | None = None) -> tuple[LedgerRow, ...]:
+    """The ledger's loader rows that stand for a published checkpoint of their shape (TP 1, scope "pair")."""
+    return tuple(r for r in (load_ledger() if rows is None else rows)
+                 if r.check == CHECK_LOADER and r.tp == 1 and r.scope == "pair" and r.config_form and r.kv_heads)
+
+
+def evidence(shape: Shape, vllm: str, transformers: str | None, rows: Iterable[LedgerRow] | None = None) -> Evidence:
+    """The rows of `shape` measured with vLLM `vllm` (and `transformers`, or any transformers when None), and when
+    there are none, the NEAREST_SHOWN nearest of that shape: the same release first, then the closest releases."""
+    same = [r for r in serving_rows(rows) if (r.config_form, r.kv_heads) == (shape.form, shape.kv_heads)]
+    exact = tuple(r for r in same if r.vllm == vllm and (transformers is None or r.transformers == transformers))
+    if exact:
+        return Evidence(exact, ())
+    return Evidence((), tuple(sorted(same, key=lambda r: _distance(r, vllm, transformers))[:NEAREST_SHOWN]))
+
+
+def _distance(row: LedgerRow, vllm: str, transformers: str | None) -> tuple:
+    wanted, got = version_key(vllm), version_key(row.vllm)
+    minor_gap = abs(_minor_index(got) - _minor_index(wanted))
+    tf_gap = 0 if transformers is None else abs(_minor_index(version_key(row.transformers))
+                                                 - _minor_index(version_key(transformers)))
+    return (minor_gap, got != wanted, tf_gap, row.case, row.layout)
+
+
+def _minor_index(key: tuple[int, ...]) -> int:
+    major, minor = (tuple(key) + (0, 0))[:2]
+    return major * 1000 + minor
+
+
+def describe_rows(rows: Iterable[LedgerRow]) -> list[str]:
+    """One phrase per row: "vLLM 0.22.1 + transformers 5.24.0: pass (31b-mm-2shards per-layer)"."""
+    return [f"vLLM {r.vllm} + transformers {r.transformers}: {r.verdict} ({r.case} {r.variant})" for r in rows]
