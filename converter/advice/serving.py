@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import UsageError
 from ..gemma4 import DIALECT_LEGACY, ModelSpec
 from .compat import CHECK_LOADER, PASS, load_ledger, version_key
-from .evidence import NEAREST_SHOWN, Evidence, Shape, describe_rows, evidence, serving_rows
+from .evidence import Evidence, Shape, describe_rows, evidence, serving_rows
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
@@ -169,17 +169,28 @@ def measured(shape: Shape, env: ServingEnv) -> tuple[Verdict, Evidence]:
     the nearest proven rows and the rules' expectation."""
     found = evidence(shape, env.vllm, env.transformers)
     if found.loads:
-        return Verdict("loads", None, f"measured: {'; '.join(describe_rows(found.rows[:NEAREST_SHOWN]))}"
-                       + (f" and {len(found.rows) - NEAREST_SHOWN} more" if len(found.rows) > NEAREST_SHOWN
-                          else "")), found
+        return Verdict("loads", None, f"measured: {_rows_summary(found.rows)} pass"), found
     if found.proven:
         first = found.failing[0]
-        return Verdict("fails", _error_of(first.detail), f"measured: {describe_rows([first])[0]}: "
-                       f"{first.detail or 'tensors differ'}"), found
+        cause = ": ".join(first.detail.split(": ")[:2]) or "tensors differ"
+        failing = {r.transformers for r in found.failing}
+        serving = sorted({r.transformers for r in found.rows} - failing, key=version_key)
+        depends = f"serves with transformers {', '.join(serving)} only; " if serving else ""
+        return Verdict("fails", _error_of(first.detail), f"measured: {depends}{len(found.failing)} of "
+                       f"{_rows_summary(found.rows)} fail, e.g. {first.case} {first.variant} with transformers "
+                       f"{first.transformers}: {cause}"), found
     expected = predict(shape.form, env, mixed_kv_heads=shape.kv_heads == KV_MIXED) if env.transformers else None
     nearest = "; ".join(describe_rows(found.nearest)) or "none of this form"
     return Verdict("unknown", None, f"not proven with {env.label()} (nearest proven: {nearest})"
                    + (f"; expected from the rules: {expected.outcome}" if expected else "")), found
+
+
+def _rows_summary(rows: tuple) -> str:
+    """"4 rows (26b-a4b-moe, 31b-mm-2shards; vLLM 0.27.0 + transformers 5.14.1, 5.24.0)"."""
+    cases = sorted({r.case for r in rows})
+    transformers = sorted({r.transformers for r in rows}, key=version_key)
+    return (f"{len(rows)} row{'s' if len(rows) != 1 else ''} ({', '.join(cases)}; vLLM {rows[0].vllm} + transformers "
+            f"{', '.join(transformers)})")
 
 
 def _error_of(detail: str) -> str | None:
