@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, ModelSpec
+from .parallel import DEFAULT_TP_SIZES, rank_geometry, tp_problems
 
 DEFAULT_SPECULATIVE_TOKENS = 4
 
@@ -26,9 +27,25 @@ class KvShare:
 
 
 @dataclass(frozen=True)
+class RankShare:
+    """One assistant layer and its target layer on one tensor-parallel rank: (head_dim, KV heads per rank)."""
+
+    tp: int
+    assistant_layer: int
+    target_layer: int
+    assistant_rank: tuple[int, int]
+    target_rank: tuple[int, int]
+
+    @property
+    def ok(self) -> bool:
+        return self.assistant_rank == self.target_rank
+
+
+@dataclass(frozen=True)
 class PairReport:
     shares: tuple[KvShare, ...]
     problems: tuple[str, ...]
+    per_rank: tuple[RankShare, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -40,8 +57,14 @@ def recorded_layout(manifest: Mapping[str, Any] | None) -> str | None:
 
 
 def check_pair(target: ModelSpec, assistant: ModelSpec, *, target_manifest: Mapping[str, Any] | None = None,
-               assistant_manifest: Mapping[str, Any] | None = None) -> PairReport:
-    """Every reason the pair would fail or compute garbage in vLLM 0.27; empty problems means it can serve."""
+               assistant_manifest: Mapping[str, Any] | None = None, tp_sizes: tuple[int, ...] = DEFAULT_TP_SIZES,
+               tp_required: bool = False) -> PairReport:
+    """Every reason the pair would fail or compute garbage in vLLM 0.27; empty problems means it can serve.
+
+    tp_sizes: the tensor-parallel sizes whose per-rank KV geometry is compared (vLLM computes the draft's from the
+    assistant's own config and never checks it against the target layer's cache it reads). tp_required: the user
+    serves with these sizes, so one vLLM refuses for the target's geometry is a problem too.
+    """
     problems: list[str] = []
     if target.role != ROLE_TARGET:
         problems.append(f"the target is a {target.kind}, not a target")
@@ -61,11 +84,31 @@ def check_pair(target: ModelSpec, assistant: ModelSpec, *, target_manifest: Mapp
             problems.append(f"assistant layer {share.assistant_layer} ({share.layer_type}) expects (head_dim, KV heads)"
                             f" {share.assistant_geometry} but target layer {share.target_layer} caches "
                             f"{share.target_geometry}")
+    per_rank = tuple(_rank_share(target, assistant, share, tp) for tp in tp_sizes for share in shares
+                     if share.target_layer is not None)
+    bad = [r for r in per_rank if r.tp > 1 and not r.ok]
+    if bad:
+        sizes = ", ".join(str(tp) for tp in sorted({r.tp for r in bad}))
+        problems.append(f"per tensor-parallel rank too, at TP {sizes}: e.g. at TP {bad[0].tp} assistant layer "
+                        f"{bad[0].assistant_layer} computes with (head_dim, KV heads per rank) {bad[0].assistant_rank}"
+                        f" where target layer {bad[0].target_layer} caches {bad[0].target_rank}; vLLM checks neither")
+    if tp_required:
+        for tp in tp_sizes:
+            problems.extend(tp_problems(target.attention, tp, what="the target"))
     layouts = (recorded_layout(target_manifest), recorded_layout(assistant_manifest))
     if "pad-global" in layouts and layouts[0] != layouts[1]:
         problems.append(f"layouts differ: target {layouts[0] or 'unconverted'}, assistant {layouts[1] or 'unconverted'}"
                         "; pad-global must be applied to both")
-    return PairReport(shares=shares, problems=tuple(problems))
+    return PairReport(shares=shares, problems=tuple(problems), per_rank=per_rank)
+
+
+def _rank_share(target: ModelSpec, assistant: ModelSpec, share: KvShare, tp: int) -> RankShare:
+    def on_rank(spec: ModelSpec, head_dim: int, kv_heads: int) -> tuple[int, int]:
+        return head_dim, rank_geometry(spec.attention.num_heads, kv_heads, head_dim, tp).kv_heads_per_rank
+
+    return RankShare(tp=tp, assistant_layer=share.assistant_layer, target_layer=share.target_layer,
+                     assistant_rank=on_rank(assistant, share.assistant_geometry[0], share.assistant_geometry[1]),
+                     target_rank=on_rank(target, share.target_geometry[0], share.target_geometry[1]))
 
 
 def _kv_share(target: ModelSpec, assistant_layer) -> KvShare:
@@ -79,7 +122,7 @@ def _kv_share(target: ModelSpec, assistant_layer) -> KvShare:
                    target_geometry=geometry)
 
 
-def serve_line(*, target: str | None, assistant: str | None, layout: str) -> str:
+def serve_line(*, target: str | None, assistant: str | None, layout: str, tp: int | None = None) -> str:
     """The `vllm serve` command for a pair, by local path (convert) or repo id (cards); pad-global pins the attention
     backend (FACTS.md section 4)."""
     target_ref = target or "<TARGET converted the same way>"
@@ -89,4 +132,6 @@ def serve_line(*, target: str | None, assistant: str | None, layout: str) -> str
     command = f"vllm serve {target_ref} --speculative-config '{spec}'"
     if layout == "pad-global":
         command += " --attention-backend TRITON_ATTN"
+    if tp is not None:
+        command += f" --tensor-parallel-size {tp}"
     return command

