@@ -12,6 +12,7 @@ from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, 
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
 from ..quantization import MODELOPT, WeightScheme, weight_scheme
 from ..read.checkpoint import Checkpoint
+from ..read.quantized import quantized_weight_problems
 from ..read.safetensors_header import TensorRef
 
 _REGISTRY: dict[str, type["Layout"]] = {}
@@ -107,6 +108,7 @@ class Layout:
         """The complete plan for one checkpoint: every tensor, the shards, the new config."""
         spec = checkpoint.spec
         check_quantized_attention(spec, source=str(checkpoint.path))
+        raise_first(quantized_weight_problems(checkpoint))  # per-layer copies the bytes: check what they claim
         warnings = self.check(spec, source=str(checkpoint.path))
         tensors = list(self._plan_tensors(checkpoint))
         shards, indexed = plan_shards(tensors, source_files=[s.file.name for s in checkpoint.shards],
@@ -393,8 +395,9 @@ def check_moe_tensors(checkpoint: Checkpoint) -> None:
 def scheme_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
     """Every problem of the three checks above, in convert's order (inspect lists them; convert stops at the first)."""
     source = str(checkpoint.path)
-    return (quantized_attention_problems(checkpoint.spec, source=source)
-            + attention_scale_problems(tensors, checkpoint.spec, source=source) + moe_problems(checkpoint))
+    found = (quantized_attention_problems(checkpoint.spec, source=source) + quantized_weight_problems(checkpoint)
+             + attention_scale_problems(tensors, checkpoint.spec, source=source) + moe_problems(checkpoint))
+    return list(dict.fromkeys(found))
 
 
 def explicit_geometry(attention: AttentionConfig, **overrides: Any) -> dict[str, Any]:
