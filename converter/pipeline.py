@@ -220,8 +220,9 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
                 directory = staging / item.subdir if item.subdir else staging
                 make_directory(directory)
                 outputs[item.subdir], how = _write_checkpoint(item, directory, link=plan.request.link,
-                                                              hashed=plan.request.hashed, paired=paired, warnings=plan.warnings,
-                                                              on_bytes=on_bytes, tp=plan.request.tp,
+                                                              hashed=plan.request.hashed, paired=paired,
+                                                              warnings=plan.warnings, on_bytes=on_bytes,
+                                                              tp=plan.request.tp,
                                                               origin=plan.request.origins.get(item.subdir or "single"))
                 made.update({f"{item.subdir}/{name}".lstrip("/"): h for name, h in how.items()})
     return ConvertResult(plan=plan, output_files=outputs, made=made)

@@ -33,9 +33,16 @@ def test_geometry_matches_config(synthetic_cache, run_cli, preset, options, dial
                 assert row["tensors"]["k_proj.weight"][0] == row["kv_heads"] * row["head_dim"]
         old = report["vllm_0_27"]["transformers<5.15"]
         new = report["vllm_0_27"]["transformers>=5.15"]
-        assert old["outcome"] == ("loads" if dialect == "legacy" else "fails")
-        assert (new["outcome"], new["error"]) == ("fails", "AmbiguousGlobalPerLayerAttributeError")
+        assert measured_or_expected(old, "loads" if dialect == "legacy" else "fails")
+        assert measured_or_expected(new, "fails")
+        assert new["outcome"] == "unknown" or new["error"] == "AmbiguousGlobalPerLayerAttributeError"
         assert (report["vllm_0_27"]["silent_truncation_risk"] is not None) == (dialect == "per_layer_config")
+
+
+def measured_or_expected(verdict: dict, outcome: str) -> bool:
+    """The ledger's measured outcome, or, for a shape it has no row of, "unknown" quoting the rules' expectation."""
+    return verdict["outcome"] == outcome or (
+        verdict["outcome"] == "unknown" and f"expected from the rules: {outcome}" in verdict["detail"])
 
 
 def test_attention_forms_are_named(synthetic_cache, run_cli):
@@ -44,7 +51,7 @@ def test_attention_forms_are_named(synthetic_cache, run_cli):
     fused = json.loads(run_cli("inspect", "--json",
                                synthetic_cache("31b", "target", fused_qkv=True, multimodal=False)).out)
     assert {r["attention"] for r in fused["layers"]} == {"fused qkv_proj"}
-    assert fused["vllm_0_27"]["transformers<5.15"]["outcome"] == "fails"
+    assert measured_or_expected(fused["vllm_0_27"]["transformers<5.15"], "fails")
     assistant = json.loads(run_cli("inspect", "--json", synthetic_cache("31b", "pair") / "assistant").out)
     assert {r["attention"] for r in assistant["layers"]} == {"Q-only (KV shared)"}
     e2b = json.loads(run_cli("inspect", "--json", synthetic_cache("e2b", "pair", multimodal=False) / "target").out)

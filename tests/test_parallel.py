@@ -59,7 +59,8 @@ def test_replicated_heads_are_counted_once_per_rank():
 
 
 @pytest.mark.parametrize("tp, fragments", [
-    (3, ["does not divide the 32 attention heads", "does not divide the 16 KV heads", "does not divide the 4 KV heads"]),
+    (3, ["does not divide the 32 attention heads", "does not divide the 16 KV heads",
+         "does not divide the 4 KV heads"]),
     (6, ["does not divide the 32 attention heads", "does not divide the 16 KV heads",
          "is not a multiple of the 4 KV heads"]),
     (64, ["does not divide the 32 attention heads"]),

@@ -186,7 +186,8 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
 def _advice(loader: list[LedgerRow], kv_heads: str) -> str | None:
     """"none" (serves as it is), "per-layer" or "pad-global": the first whose rows all passed for the cases whose
     original is a Hub checkpoint's config (flat keys) with this KV-head pattern; None when no such case ran."""
-    cases = {r.case for r in loader if r.layout == "original" and r.kv_heads == kv_heads and r.config_form == "flat-keys"}
+    cases = {r.case for r in loader
+             if r.layout == "original" and r.kv_heads == kv_heads and r.config_form == "flat-keys"}
     for variant, answer in (("original", "none"), ("per-layer", "per-layer"), ("pad-global", "pad-global")):
         got = [r for r in loader if r.case in cases and r.variant == variant]
         if got and all(r.verdict == PASS for r in got):

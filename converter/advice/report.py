@@ -19,7 +19,7 @@ from ..layouts.base import (AttentionTensor, attention_problems, expected_shape,
 from ..quantization import weight_scheme
 from ..read.checkpoint import Checkpoint
 from .pitfalls import serving_pitfalls
-from .serving import VLLM_027_OLD, ServingEnv, measured, recommend, shape_of, vllm_027_new
+from .serving import KV_MIXED, VLLM_027_OLD, ServingEnv, measured, predict, recommend, shape_of, vllm_027_new
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
 
 REPORT_VERSION = 1
@@ -88,7 +88,8 @@ def tensor_parallel(spec: ModelSpec, tp: int) -> dict[str, Any]:
     return {"tp": tp, "as_is": as_is, "per_layer": as_is,
             "pad_global": {name: g.document() for name, g in layer_type_geometry(padded, tp).items()},
             "pad_global_kv_ratio": round(after / before, 3) if before else None,
-            "problems": source, "pad_global_problems": [p for p in tp_problems(padded, tp, what=what) if p not in source]}
+            "problems": source,
+            "pad_global_problems": [p for p in tp_problems(padded, tp, what=what) if p not in source]}
 
 
 def _dialect(spec: ModelSpec) -> dict[str, Any]:
@@ -249,11 +250,17 @@ def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[Te
                 f"({a.num_kv_heads * a.head_dim}) exceeds dimension size ({a.num_global_kv_heads * a.global_head_dim})'"
                 " and draft q_proj/o_proj are silently truncated (garbage outputs)")
     shape = shape_of(spec, fused=_fused(tensors))
-    old, new = (measured(shape, env)[0].document() for env in (VLLM_027_OLD, vllm_027_new()))
+    envs = (VLLM_027_OLD, vllm_027_new())
+    old, new = (measured(shape, env)[0].document() for env in envs)
+    # where the config gets through (measured, or expected where no row of this shape ran), the weight loaders
+    # decide: the tensors that contradict the config raise or are silently truncated
+    config_loads = [v["outcome"] == "loads" or (v["outcome"] == "unknown" and predict(
+        shape.form, env, mixed_kv_heads=shape.kv_heads == KV_MIXED).outcome == "loads")
+        for v, env in zip((old, new), envs)]
     weights = _weights_verdict(list(loads))
     if weights is not None:
-        old = weights if old["outcome"] == "loads" else old
-        new = weights if new["outcome"] == "loads" else new
+        old = weights if config_loads[0] else old
+        new = weights if config_loads[1] else new
     return {"transformers<5.15": old, "transformers>=5.15": new, "silent_truncation_risk": risk,
             "weights": [load.to_json() for load in loads]}
 

@@ -282,7 +282,8 @@ def _recommend_for(env: ServingEnv, shape: Shape, document: dict[str, Any], pad_
     if now.outcome == "loads":
         return {**document, "layout": NO_CONVERSION, "no_conversion_needed": True, "proven": True,
                 "why": f"serves as it is with {env.label()}{patch}: {now.detail}{converted}"}
-    options = (("per-layer", Shape(FORM_DUAL_KEYS, shape.kv_heads)), ("pad-global", Shape(FORM_HOMOGENEOUS, KV_UNIFORM)))
+    options = (("per-layer", Shape(FORM_DUAL_KEYS, shape.kv_heads)),
+               ("pad-global", Shape(FORM_HOMOGENEOUS, KV_UNIFORM)))
     for proven_only in (True, False):
         for layout, after in options:
             verdict, ev = measured(after, env) if proven_only else _across_transformers(after, env)

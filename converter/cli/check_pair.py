@@ -42,8 +42,8 @@ def command(target: LocalSource, assistant: LocalSource, as_json: bool, tp_sizes
         for tp in tp_sizes or DEFAULT_TP_SIZES:
             mine = [r for r in report.per_rank if r.tp == tp]
             click.echo(f"per rank at TP {tp} (head_dim, KV heads): " + ", ".join(
-                f"{r.assistant_layer}<-{r.target_layer} {r.assistant_rank}{'' if r.ok else f' vs {r.target_rank} MISMATCH'}"
-                for r in mine))
+                f"{r.assistant_layer}<-{r.target_layer} {r.assistant_rank}"
+                + ("" if r.ok else f" vs {r.target_rank} MISMATCH") for r in mine))
         click.echo("pair OK: can serve together" if report.ok else "pair CANNOT serve together:")
         for problem in report.problems:
             click.echo(f"  - {problem}")

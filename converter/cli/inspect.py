@@ -121,7 +121,8 @@ def render_tensor_parallel(tp: dict[str, Any]) -> None:
                          for name, g in geometry.items())
     click.echo(f"  tensor parallel {tp['tp']}, per rank: as is and after per-layer: {side(tp['as_is'])}; after "
                f"pad-global: {side(tp['pad_global'])}"
-               + (f"; pad-global KV cache per rank x{tp['pad_global_kv_ratio']:.2f}" if tp["pad_global_kv_ratio"] else ""))
+               + (f"; pad-global KV cache per rank x{tp['pad_global_kv_ratio']:.2f}"
+                  if tp["pad_global_kv_ratio"] else ""))
     for problem in tp["pad_global_problems"]:
         click.echo(f"    pad-global at this size: {problem}")
 

@@ -78,7 +78,8 @@ def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] 
     sections = [
         f"# {repo_id.split('/')[-1]}\n\n{_summary(manifest, role, base_model)}",
         f"## Layout: {variant}\n\n{_layout_text(layout, variant)}",
-        _serve_section(role, layout, variant, repo_id, target_repo, assistant_repo, manifest.get("tensor_parallel_size")),
+        _serve_section(role, layout, variant, repo_id, target_repo, assistant_repo,
+                       manifest.get("tensor_parallel_size")),
         _proof_section(variant),
         f"## KV-cache cost\n\n{_kv_text(manifest, role, layout)}",
         _verification_section(verification),
