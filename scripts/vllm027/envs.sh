@@ -135,11 +135,12 @@ for path in new.rglob("*"):
     if path.is_symlink() or not path.is_file() or path.stat().st_size < 4096:
         continue
     rel, size = path.relative_to(new), path.stat().st_size
-    twins = [t for t in (other / rel for other in others)
-             if t.is_file() and not t.is_symlink() and t.stat().st_size == size]
-    if any(os.path.samefile(t, path) for t in twins):
-        continue  # shared already
-    for twin in twins:
+    for other in others:  # the first env holding the same bytes at the same path
+        twin = other / rel
+        if not twin.is_file() or twin.is_symlink() or twin.stat().st_size != size:
+            continue
+        if os.path.samefile(twin, path):
+            break  # shared already
         if filecmp.cmp(twin, path, shallow=False):
             tmp = path.with_name(path.name + ".gemma4-link")
             os.link(twin, tmp)
