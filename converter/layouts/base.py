@@ -108,8 +108,8 @@ class Layout:
         """The complete plan for one checkpoint: every tensor, the shards, the new config."""
         spec = checkpoint.spec
         check_quantized_attention(spec, source=str(checkpoint.path))
+        warnings = self.check(spec, source=str(checkpoint.path))  # a scheme this layout refuses, by name, first
         raise_first(quantized_weight_problems(checkpoint))  # per-layer copies the bytes: check what they claim
-        warnings = self.check(spec, source=str(checkpoint.path))
         tensors = list(self._plan_tensors(checkpoint))
         shards, indexed = plan_shards(tensors, source_files=[s.file.name for s in checkpoint.shards],
                                       indexed=checkpoint.indexed, max_shard_bytes=max_shard_bytes)

@@ -686,8 +686,6 @@ def _hub_parts(p: Preset, role: str, *, multimodal: bool, fused_qkv: bool,
                                                                               fused_qkv=fused_qkv)
     if role != "assistant":
         raise ValueError(f"role must be 'target' or 'assistant', got {role!r}")
-    if quantization:
-        raise ValueError("synthetic quantization is for targets only")
     return _hub_assistant_config(p), assistant_tensors(p)
 
 
