@@ -54,11 +54,6 @@ class ServingEnv:
     transformers: str | None = None
     python: str | None = None
 
-    @property
-    def tested(self) -> bool:
-        vllm, transformers = tested_releases()
-        return self.vllm in vllm and (self.transformers is None or self.transformers in transformers)
-
     def label(self) -> str:
         return f"vLLM {self.vllm}" + (f" + transformers {self.transformers}" if self.transformers else "")
 
