@@ -6,6 +6,7 @@ import datetime as _dt
 import importlib
 import shutil
 import threading
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -19,7 +20,7 @@ from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, TensorPlan, index_document
 from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
-from .read.sequential import SequentialReader
+from .read.sequential import BackgroundSha256, SourceFile, known_sha256
 from .write.lock import output_lock
 from .write.writer import (LINK_MODES, make_directory, place_file, reflink_possible, staged_directory,
                            write_json, write_shard)
@@ -262,26 +263,34 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
                       tp: int | None = None) -> tuple[dict[str, str | None], dict[str, str]]:
     plan, source = item.plan, item.source
     render = None
-    used = {t.source.ref.file for shard in plan.shards if shard.same_as is None for t in shard.tensors}
-    readers = {shard.file: SequentialReader(shard.file, hashed=hashed) for shard in source.shards if shard.file in used}
     sizes = {shard.file: shard.size for shard in source.shards}
     files: dict[str, str | None] = {}
     made: dict[str, str] = {}
     source_hashes: dict[str, str | None] = {}
-    # unchanged files first: their copies hide the import of torch (_import_in_background) that rewriting waits on
-    for shard in sorted(plan.shards, key=lambda shard: shard.same_as is None):
-        if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
-            made[shard.file_name], digest = place_file(shard.same_as, directory / shard.file_name, link=link,
-                                                       expected_size=sizes[shard.same_as], hashed=hashed)
-            files[shard.file_name] = source_hashes[shard.same_as.name] = digest
-            on_bytes(sum(t.source.nbytes for t in shard.tensors))
-            continue
-        if render is None and not all(tensor.is_copy for tensor in shard.tensors):
-            from .transforms import render_transform as render  # torch (~2 s to import): only when a tensor changes
-        files[shard.file_name] = write_shard(directory / shard.file_name, shard, metadata=dict(plan.metadata),
-                                             readers=readers, render=render, on_bytes=on_bytes, hashed=hashed)
-        made[shard.file_name] = MADE_WRITTEN
-    source_hashes.update({path.name: reader.finish() for path, reader in readers.items()})
+    with ExitStack() as stack:
+        opened: dict[Path, SourceFile] = {}
+        hashing: dict[Path, BackgroundSha256 | str | None] = {}
+        # unchanged files first: their copies hide the import of torch (_import_in_background) that rewriting waits on
+        for shard in sorted(plan.shards, key=lambda shard: shard.same_as is None):
+            if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
+                made[shard.file_name], digest = place_file(shard.same_as, directory / shard.file_name, link=link,
+                                                           expected_size=sizes[shard.same_as], hashed=hashed)
+                files[shard.file_name] = source_hashes[shard.same_as.name] = digest
+                on_bytes(sum(t.source.nbytes for t in shard.tensors))
+                continue
+            for path in dict.fromkeys(t.source.ref.file for t in shard.tensors):
+                if path not in opened:  # each source's sha256 on a thread while its bytes are written
+                    opened[path] = stack.enter_context(closing(SourceFile(path)))
+                    hashing[path] = (known_sha256(path) or stack.enter_context(BackgroundSha256(path,
+                                                                                               size=sizes[path]))
+                                     if hashed else None)
+            if render is None and not all(tensor.is_copy for tensor in shard.tensors):
+                from .transforms import render_transform as render  # torch (~2 s to import): only when a tensor changes
+            files[shard.file_name] = write_shard(directory / shard.file_name, shard, metadata=dict(plan.metadata),
+                                                 sources=opened, render=render, on_bytes=on_bytes, hashed=hashed)
+            made[shard.file_name] = MADE_WRITTEN
+        source_hashes.update({path.name: digest.result() if isinstance(digest, BackgroundSha256) else digest
+                              for path, digest in hashing.items()})
     if plan.indexed:
         files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
     files["config.json"], made["config.json"] = write_json(directory / "config.json", plan.config), MADE_WRITTEN

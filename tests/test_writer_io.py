@@ -1,10 +1,12 @@
-"""The streaming I/O under convert/verify: sequential reads, O_DIRECT writes with buffered fallback, the read-ahead thread.
+"""The streaming I/O under convert/verify: range and sequential reads, background hashes, O_DIRECT writes (from staging
+blocks and from a mapped source) with buffered fallback, and their threads.
 
 Block sizes are shrunk to one page so KB-sized files cross many chunk and block boundaries.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import os
@@ -26,7 +28,6 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(writer, "BLOCK_BYTES", 4096)
     monkeypatch.setattr(sequential, "BLOCK_BYTES", 4096)
     monkeypatch.setattr(sequential, "READ_CHUNK_BYTES", 8192)
-    monkeypatch.setattr(writer, "PREFETCH_BLOCKS", 2)
 
 
 def _payload(tmp_path: Path, size: int = 50_000, seed: int = 0) -> tuple[Path, bytes]:
@@ -36,18 +37,55 @@ def _payload(tmp_path: Path, size: int = 50_000, seed: int = 0) -> tuple[Path, b
     return path, data
 
 
-def test_reader_returns_exact_ranges_and_hashes_the_whole_file(tmp_path, small_blocks):
+def test_reader_returns_exact_ranges_in_order(tmp_path, small_blocks):
     path, data = _payload(tmp_path)
     reader = sequential.SequentialReader(path)
     offset = 7
     for length in (1, 4095, 4096, 4097, 8193, 0, 12_000, 3):
-        offset += 13  # gaps are skipped but still hashed
+        offset += 13  # gaps are skipped
         assert bytes(reader.read(offset, length)) == data[offset:offset + length]
         offset += length
     view = sequential.page_aligned_buffer(5000)
     reader.fill(offset, view)
     assert bytes(view) == data[offset:offset + 5000]
-    assert reader.finish() == hashlib.sha256(data).hexdigest()
+    reader.close()
+
+
+def test_background_sha256_hashes_the_whole_file_and_names_a_changed_size(tmp_path, small_blocks):
+    path, data = _payload(tmp_path)
+    with sequential.BackgroundSha256(path, size=len(data)) as digest:
+        assert digest.result() == hashlib.sha256(data).hexdigest()
+    with sequential.BackgroundSha256(path, size=len(data) + 1) as digest:
+        with pytest.raises(InputError, match=f"{path.name}: is {len(data)} bytes, {len(data) + 1} when its header"):
+            digest.result()
+
+
+def test_known_sha256_is_the_hub_cache_blob_name(tmp_path):
+    """A snapshot file links to blobs/<sha256>; anything else is not known without reading it."""
+    oid = hashlib.sha256(b"weights").hexdigest()
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / oid).write_bytes(b"weights")
+    (tmp_path / "snapshots").mkdir()
+    (tmp_path / "snapshots" / "model.safetensors").symlink_to(tmp_path / "blobs" / oid)
+    assert sequential.known_sha256(tmp_path / "snapshots" / "model.safetensors") == oid
+    (tmp_path / "blobs" / "0123abcd").write_bytes(b"a git blob: sha1-named, not LFS")
+    assert sequential.known_sha256(tmp_path / "blobs" / "0123abcd") is None
+    assert sequential.known_sha256(tmp_path / "blobs" / oid) == oid
+    plain, _ = _payload(tmp_path)
+    assert sequential.known_sha256(plain) is None
+
+
+def test_read_at_reads_any_range_and_names_a_short_file(tmp_path, small_blocks):
+    path, data = _payload(tmp_path, size=10_000)
+    source = sequential.SourceFile(path)
+    view = memoryview(bytearray(3000))
+    source.read_at(5000, view)
+    assert bytes(view) == data[5000:8000]
+    source.read_at(0, view[:10])
+    assert bytes(view[:10]) == data[:10]
+    with pytest.raises(InputError, match=f"{path.name}: ended 2000 bytes early"):
+        source.read_at(9_000, view)
+    source.close()
 
 
 def test_reader_range_blocks_and_out_of_order_read(tmp_path, small_blocks):
@@ -78,11 +116,16 @@ def test_hashing_writer_writes_every_byte_in_order(tmp_path, small_blocks, monke
                 raise OSError(errno.EINVAL, "Invalid argument")
             return real(fd, data, offset)
         monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    source_path, source_data = _payload(tmp_path, size=9000, seed=99)
+    source = sequential.SourceFile(source_path)
     with writer._HashingWriter(out) as writer_:
         for piece in pieces:
             writer_.write(piece)
+        writer_.fill_from(source, 17, 8000)  # straight from the source into the staging blocks
         writer_.finish()
-    assert not refuse_direct or (refused and not writer_._direct)
+    source.close()
+    pieces.append(source_data[17:8017])
+    assert not refuse_direct or (refused and not writer_._blocks.direct)
     expected = b"".join(pieces)
     assert out.read_bytes() == expected
     assert writer_.sha256.hexdigest() == hashlib.sha256(expected).hexdigest() and writer_.written == len(expected)
@@ -113,30 +156,32 @@ def _shard(path: Path, sizes: list[int]) -> ShardPlan:
     return ShardPlan("out.safetensors", tuple(tensors))
 
 
-def test_write_shard_streams_copies_through_the_read_ahead_thread(tmp_path, small_blocks):
+def test_write_shard_copies_ranges_and_renders_the_rest(tmp_path, small_blocks):
     path, data = _payload(tmp_path)
     shard = _shard(path, [5000, 0, 16_384, 1, 9000])
-    readers = {path: sequential.SequentialReader(path)}
-    digest = writer.write_shard(tmp_path / "out.safetensors", shard, metadata={}, readers=readers,
-                                render=lambda t, raw: memoryview(raw), on_bytes=lambda n: None)
+    transformed = dataclasses.replace(shard.tensors[2], action="transformed", transform="reverse")
+    shard = dataclasses.replace(shard, tensors=shard.tensors[:2] + (transformed,) + shard.tensors[3:])
+    digest = writer.write_shard(tmp_path / "out.safetensors", shard, metadata={},
+                                sources={path: sequential.SourceFile(path)},
+                                render=lambda t, raw: memoryview(bytes(raw[::-1])), on_bytes=lambda n: None)
     written = (tmp_path / "out.safetensors").read_bytes()
     header = writer.shard_header(shard, {})
-    body = b"".join(data[t.source.offset:t.source.offset + t.source.nbytes] for t in shard.tensors)
-    assert written == header + body and digest == hashlib.sha256(written).hexdigest()
-    assert readers[path].finish() == hashlib.sha256(data).hexdigest()
+    pieces = [data[t.source.offset:t.source.offset + t.source.nbytes] for t in shard.tensors]
+    pieces[2] = pieces[2][::-1]
+    assert written == header + b"".join(pieces) and digest == hashlib.sha256(written).hexdigest()
 
 
-def test_read_ahead_errors_surface_and_no_thread_is_left(tmp_path, small_blocks):
+def test_read_errors_surface_and_no_thread_is_left(tmp_path, small_blocks):
     path, data = _payload(tmp_path, size=20_000)
     before = threading.active_count()
     with pytest.raises(InputError, match="ended .* bytes early"):
         writer.write_shard(tmp_path / "a.safetensors", _shard(path, [15_000, 9000]), metadata={},
-                           readers={path: sequential.SequentialReader(path)}, render=lambda t, raw: memoryview(raw),
+                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw: memoryview(raw),
                            on_bytes=lambda n: None)
     assert threading.active_count() == before
 
 
-def test_a_failing_writer_stops_the_read_ahead_thread(tmp_path, small_blocks):
+def test_an_interrupted_shard_stops_every_thread(tmp_path, small_blocks):
     path, data = _payload(tmp_path)
     before = threading.active_count()
 
@@ -145,7 +190,7 @@ def test_a_failing_writer_stops_the_read_ahead_thread(tmp_path, small_blocks):
 
     with pytest.raises(KeyboardInterrupt):
         writer.write_shard(tmp_path / "b.safetensors", _shard(path, [40_000]), metadata={},
-                           readers={path: sequential.SequentialReader(path)}, render=lambda t, raw: memoryview(raw),
+                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw: memoryview(raw),
                            on_bytes=fail)
     assert threading.active_count() == before
 
@@ -160,14 +205,23 @@ def _evict(path: Path, start: int = 0, length: int = 0) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize("copier", ["kernel", "buffers"])
+@pytest.mark.parametrize("copier", ["mapping", "kernel", "buffers"])
 @pytest.mark.parametrize("evict", ["none", "all", "middle"])
 @pytest.mark.parametrize("size", [0, 1, 4096, 50_001])
 def test_copy_file_is_exact_and_hashed_once_whatever_is_cached(tmp_path, small_blocks, monkeypatch, copier, evict,
                                                                 size):
-    """copy_file_range where the kernel has it (else through buffers: cached pages read from the page cache, the
-    rest with O_DIRECT from the next block boundary); either way one sha256 of the source."""
+    """O_DIRECT from the mapped source, else copy_file_range, else through buffers; one sha256 of the source."""
     monkeypatch.setattr(writer, "COPY_RANGE_BYTES", 8192)
+    used = []
+    for name in ("_copy_from_mapping", "_copy_in_kernel", "_copy_through_buffers"):
+        def spy(src, destination, real=getattr(writer, name), name=name):
+            done = real(src, destination)
+            used.append((name, done))
+            return done
+        monkeypatch.setattr(writer, name, spy)
+    if copier != "mapping":
+        monkeypatch.setattr(writer, "_open_for_writing",
+                            lambda path, real=writer._open_for_writing: real(path, direct=False))
     if copier == "buffers":
         def no_copy_range(*args):
             raise OSError(errno.EXDEV, "Invalid cross-device link")
@@ -177,6 +231,36 @@ def test_copy_file_is_exact_and_hashed_once_whatever_is_cached(tmp_path, small_b
         _evict(path, *((8192 + 100, 20_000) if evict == "middle" else ()))
     digest = writer.copy_file(path, tmp_path / "copy.bin", expected_size=size)
     assert (tmp_path / "copy.bin").read_bytes() == data and digest == hashlib.sha256(data).hexdigest()
+    copied_by = next(name for name, done in used if done)
+    expected = {"mapping": "_copy_from_mapping", "kernel": "_copy_in_kernel", "buffers": "_copy_through_buffers"}
+    if size == 0:
+        assert copied_by == "_copy_in_kernel", used  # nothing to map or read: the kernel path creates the file
+    elif copier != "mapping" or _direct_io_works(tmp_path):
+        assert copied_by == expected[copier], used
+
+
+def _direct_io_works(directory: Path) -> bool:
+    try:
+        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | writer._O_DIRECT))
+        return True
+    except OSError:
+        return False
+
+
+def test_copy_from_a_source_that_shrinks_midway_is_an_input_error(tmp_path, small_blocks, monkeypatch):
+    """The kernel reads the mapping for the O_DIRECT write: pages past the new end fail it with EFAULT, never a
+    SIGBUS in this process."""
+    path, data = _payload(tmp_path, size=200_000)
+    if not _direct_io_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    real = writer._write_mapped
+
+    def truncate_then_write(mapping, fd, name):
+        os.truncate(path, 10_000)
+        real(mapping, fd, name)
+    monkeypatch.setattr(writer, "_write_mapped", truncate_then_write)
+    with pytest.raises(InputError, match="source.bin: .*changed while converting"):
+        writer.copy_file(path, tmp_path / "copy.bin", expected_size=len(data))
 
 
 def test_copy_file_refuses_a_source_that_changed_size(tmp_path, small_blocks):

@@ -24,7 +24,7 @@ def tensor_digests(path: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
     checkpoint = read_checkpoint(path)
     found: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for shard in checkpoint.shards:
-        reader = SequentialReader(shard.file, hashed=False)
+        reader = SequentialReader(shard.file)
         try:
             for ref in sorted(shard.tensors, key=lambda t: t.offset):
                 sha256 = hashlib.sha256()
@@ -32,7 +32,7 @@ def tensor_digests(path: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
                     sha256.update(block)
                 found[ref.name] = (ref.dtype, tuple(ref.shape), sha256.hexdigest())
         finally:
-            reader.finish()
+            reader.close()
     return found
 
 

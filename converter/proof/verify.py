@@ -165,9 +165,9 @@ def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, Tens
                     and _same_file(shard.file, piece.ref.file):
                 on_bytes(piece.nbytes)
                 continue
-            reader = reader or SequentialReader(shard.file, hashed=False)
+            reader = reader or SequentialReader(shard.file)
             if piece.ref.file not in source_readers:
-                source_readers[piece.ref.file] = SequentialReader(piece.ref.file, hashed=False)
+                source_readers[piece.ref.file] = SequentialReader(piece.ref.file)
             source_reader = source_readers[piece.ref.file]
             if tensor.is_copy:
                 equal = all(_equal(got, want) for got, want in zip(reader.range_blocks(ref.offset, ref.nbytes),
@@ -182,9 +182,9 @@ def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, Tens
                 problems.append(Problem(role, f"{ref.name}: {what}", ref.name, _layer_of(output, ref.name)))
             on_bytes(piece.nbytes)
         if reader is not None:
-            reader.finish()
+            reader.close()
     for source_reader in source_readers.values():
-        source_reader.finish()
+        source_reader.close()
     return copied, transformed, problems
 
 

@@ -1,6 +1,7 @@
-"""Sequential reads of source files: each read once, front to back, through the page cache, hashed as it goes.
+"""Reads of source files through the page cache: byte ranges, front-to-back streams, and whole-file sha256s.
 
-`pipeline` streams source bytes into the writer through it and `verify` compares them through it.
+`write` reads ranges (SourceFile.read_at) and hashes sources beside it (BackgroundSha256); `verify` and the
+digests compare bytes through SequentialReader.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -58,26 +61,104 @@ class SourceFile:
         self.position += done
         return done
 
+    def read_at(self, offset: int, view: memoryview) -> None:
+        """Fills view with the len(view) bytes at offset (any order; `position` is left alone).
+
+        Raises:
+            InputError: the file ends before offset + len(view).
+        """
+        done = 0
+        while done < len(view):
+            count = os.preadv(self._fd, [view[done:]], offset + done)
+            if count == 0:
+                raise InputError(f"{self.path}: ended {len(view) - done} bytes early (file changed while "
+                                 "converting?)")
+            done += count
+
     def close(self) -> None:
         os.close(self._fd)
 
 
-class SequentialReader:
-    """Reads one source file front to back exactly once, hashing every byte (gaps and header included).
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
-    The plan orders tensors by source offset, so each request starts at or after the previous one. The file
-    is read in READ_CHUNK_BYTES chunks (SourceFile); requested
-    ranges are copied out of the chunk into the caller's buffer (`fill`, `read`). `hashed=False` (verify, which
-    compares bytes instead) skips the sha256.
+
+def known_sha256(path: Path) -> str | None:
+    """The sha256 of a file that is already known without reading it: a Hugging Face cache snapshot links each
+    LFS file to `blobs/<its sha256>` (the Hub's LFS oid, which the download was fetched by). None otherwise."""
+    resolved = Path(os.path.realpath(path))
+    if resolved.parent.name == "blobs" and _SHA256_NAME.fullmatch(resolved.name):
+        return resolved.name
+    return None
+
+
+class BackgroundSha256:
+    """The sha256 of one whole file, computed by a thread that reads it front to back while the caller moves its
+    bytes elsewhere: hashlib releases the GIL, so on a machine with a core to spare the hash costs no wall time.
+
+    Reading through its own buffer (not a shared mmap) keeps a file truncated meanwhile an InputError here,
+    never a SIGBUS. Use as a context manager, or call `result` (which joins) and `stop` on every path.
     """
 
-    def __init__(self, path: Path, *, hashed: bool = True):
+    def __init__(self, path: Path, *, size: int):
+        self.path, self.size = path, size
+        self._sha256 = hashlib.sha256()
+        self._hashed = 0
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"sha256 {path.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            source = SourceFile(self.path)
+            try:
+                buffer = page_aligned_buffer(BLOCK_BYTES)
+                while not self._stop.is_set() and (count := source.readinto(buffer)):
+                    self._sha256.update(buffer[:count])
+                    self._hashed += count
+            finally:
+                source.close()
+        except BaseException as exc:  # raised by result()
+            self._error = exc
+
+    def result(self) -> str:
+        """Waits for the hash.
+
+        Raises:
+            InputError: the file is no longer `size` bytes (it changed while converting).
+        """
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._hashed != self.size:
+            raise InputError(f"{self.path}: is {self._hashed} bytes, {self.size} when its header was read (file "
+                             "changed while converting?)")
+        return self._sha256.hexdigest()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> "BackgroundSha256":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+class SequentialReader:
+    """Reads one file front to back once, handing out requested ranges (verify compares bytes through it).
+
+    Requests come in source order (each starts at or after the previous one); the file is read in
+    READ_CHUNK_BYTES chunks (SourceFile) and ranges are copied out of the chunk into the caller's buffer.
+    """
+
+    def __init__(self, path: Path):
         self.path = path
         self._file = SourceFile(path)
         self._position = 0  # bytes handed out or skipped
-        self._sha256 = hashlib.sha256() if hashed else None
         self._chunk: memoryview | None = None  # page-aligned, allocated on the first read
-        self._pending = memoryview(b"")  # read and hashed, not yet handed out
+        self._pending = memoryview(b"")  # read, not yet handed out
 
     def _refill(self) -> None:
         if self._chunk is None:
@@ -86,8 +167,6 @@ class SequentialReader:
         if not count:
             raise EOFError
         self._pending = self._chunk[:count]
-        if self._sha256 is not None:
-            self._sha256.update(self._pending)  # releases the GIL: the read-ahead thread hashes while the writer writes
 
     def _take(self, nbytes: int, into: memoryview | None) -> None:
         """Hands out (copies into `into`) or skips the next nbytes."""
@@ -130,15 +209,7 @@ class SequentialReader:
         self.fill(offset, memoryview(data))
         return data
 
-    def finish(self) -> str | None:
-        """Hashes the rest of the file (unless unhashed) and returns its sha256."""
+    def close(self) -> None:
         self._pending = memoryview(b"")
-        if self._sha256 is not None:
-            try:
-                while True:
-                    self._refill()
-            except EOFError:
-                pass
         self._file.close()
         self._chunk = None
-        return self._sha256.hexdigest() if self._sha256 is not None else None
