@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -22,7 +23,7 @@ from ..layouts.base import layout_from_manifest
 from ..pairing import check_pair
 from ..plan import TensorPlan
 from ..read.checkpoint import Checkpoint, read_checkpoint
-from ..read.sequential import SequentialReader
+from ..read.sequential import MappedFile
 from .checks import LayerCheck
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ def _check_manifest(manifest: dict, planned: dict[str, TensorPlan], role: str) -
 
 def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, TensorPlan], role: str,
                  on_bytes: Callable[[int], None]) -> tuple[int, int, list[Problem]]:
-    """Streams both sides once, in output order (which the plan keeps in source order), block by block.
+    """Compares both sides through read-only mappings (MappedFile: no copy of either), in output order.
 
     Kept tensors are compared a block at a time (memory stays a few blocks, whatever the tensor size); transformed
     ones are recomputed whole (one attention tensor at a time). Where the output file IS the source file (a hard or
@@ -147,7 +148,7 @@ def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, Tens
 
     problems: list[Problem] = []
     copied = transformed = 0
-    source_readers: dict[Path, SequentialReader] = {}
+    source_readers: dict[Path, MappedFile] = {}
     for shard in output.shards:
         reader = None
         for ref in shard.tensors:
@@ -165,14 +166,13 @@ def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, Tens
                     and _same_file(shard.file, piece.ref.file):
                 on_bytes(piece.nbytes)
                 continue
-            reader = reader or SequentialReader(shard.file)
+            reader = reader or MappedFile(shard.file)
             if piece.ref.file not in source_readers:
-                source_readers[piece.ref.file] = SequentialReader(piece.ref.file)
+                source_readers[piece.ref.file] = MappedFile(piece.ref.file)
             source_reader = source_readers[piece.ref.file]
             if tensor.is_copy:
-                equal = all(_equal(got, want) for got, want in zip(reader.range_blocks(ref.offset, ref.nbytes),
-                                                                   source_reader.range_blocks(piece.offset,
-                                                                                              piece.nbytes)))
+                equal = all(_equal(got, want) for got, want in zip(reader.blocks(ref.offset, ref.nbytes),
+                                                                   source_reader.blocks(piece.offset, piece.nbytes)))
             else:
                 want = render_transform(tensor, source_reader.read(piece.offset, piece.nbytes))
                 equal = _equal(reader.read(ref.offset, ref.nbytes), want)
@@ -203,7 +203,9 @@ def _equal(a: memoryview | bytearray, b: memoryview | bytearray) -> bool:
         return False
     if not len(a):
         return True
-    return torch.equal(torch.frombuffer(a, dtype=torch.uint8), torch.frombuffer(b, dtype=torch.uint8))
+    with warnings.catch_warnings():  # read-only mapped pages: torch warns that it cannot mark the tensor read-only
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.equal(torch.frombuffer(a, dtype=torch.uint8), torch.frombuffer(b, dtype=torch.uint8))
 
 
 def structural_report(pairs: dict[str, tuple[Checkpoint, Checkpoint]],

@@ -146,6 +146,57 @@ class BackgroundSha256:
         self.stop()
 
 
+class MappedFile:
+    """A read-only mapping of one file whose ranges are handed out as memoryviews, a block at a time, with no copy.
+
+    For comparing bytes (verify): pread would copy every byte of both sides once more. Each handed-out block is
+    unmapped again after use (MADV_DONTNEED drops page table entries, not the page cache), so the resident set stays
+    a few blocks. As with every mmap reader (safetensors' safe_open too), a file truncated by another process while
+    it is compared ends the process with SIGBUS; sizes are checked against the headers first.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as handle:
+            self.size = os.fstat(handle.fileno()).st_size
+            self._mapping = mmap.mmap(handle.fileno(), 0, prot=mmap.PROT_READ) if self.size else None
+        if self._mapping is not None and hasattr(self._mapping, "madvise"):
+            self._mapping.madvise(mmap.MADV_SEQUENTIAL)
+
+    def blocks(self, offset: int, nbytes: int) -> Iterator[memoryview]:
+        """nbytes at offset in blocks of at most BLOCK_BYTES, each valid until the next is taken.
+
+        Raises:
+            InputError: the range runs past the end of the file.
+        """
+        if offset + nbytes > self.size:
+            raise InputError(f"{self.path}: ends at {self.size} bytes, before the tensor at {offset}+{nbytes} "
+                             "(truncated?)")
+        for start in range(offset, offset + nbytes, BLOCK_BYTES):
+            stop = min(start + BLOCK_BYTES, offset + nbytes)
+            with memoryview(self._mapping)[start:stop] as view:
+                yield view
+            self._unmap(start, stop)
+
+    def read(self, offset: int, nbytes: int) -> bytearray:
+        data = bytearray(nbytes)
+        done = 0
+        for view in self.blocks(offset, nbytes):
+            data[done:done + len(view)] = view
+            done += len(view)
+        return data
+
+    def _unmap(self, start: int, stop: int) -> None:
+        if hasattr(self._mapping, "madvise"):
+            page = start - start % mmap.PAGESIZE
+            self._mapping.madvise(mmap.MADV_DONTNEED, page, stop - page)
+
+    def close(self) -> None:
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+
 class SequentialReader:
     """Reads one file front to back once, handing out requested ranges (verify compares bytes through it).
 
