@@ -62,22 +62,24 @@ class Run:
     returncode: int
 
 
-CONTENDERS = ("cp", "dd-direct", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
+CONTENDERS = ("cp-sync", "cp", "dd-direct", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
               "per-layer-symlink", "pad-global", "pad-global-no-hash", "verify", "naive-per-layer", "naive-pad-global")
-PAIR_CONTENDERS = ("cp", "per-layer", "per-layer-no-hash", "pad-global", "pad-global-no-hash")
-DEFAULT_CONTENDERS = ("cp", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
+PAIR_CONTENDERS = ("cp-sync", "cp", "per-layer", "per-layer-no-hash", "pad-global", "pad-global-no-hash", "verify")
+DEFAULT_CONTENDERS = ("cp-sync", "cp", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
                       "per-layer-symlink", "pad-global", "pad-global-no-hash", "naive-pad-global", "verify")
 
 
 def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, converted: Path | None,
                       assistant: Path | None = None, pair: bool = False) -> list[str]:
-    if pair and contender not in ("cp", "verify", "dd-direct", "naive-per-layer", "naive-pad-global"):
+    if pair and contender not in ("cp-sync", "cp", "verify", "dd-direct", "naive-per-layer", "naive-pad-global"):
         # target and assistant in one command, as a user converts them: one start-up, one torch import
         single = contender_command(contender, src, out, seq_len=seq_len, converted=converted)
         at = single.index(str(src))
         return single[:at] + ["--target", str(src / "target"), "--assistant", str(src / "assistant")] + single[at + 1:]
     if contender == "cp":
         return ["cp", "-r", str(src), str(out)]
+    if contender == "cp-sync":  # the issue's floor at convert's durability: a copy, then everything on disk
+        return ["sh", "-c", 'cp -r "$1" "$2" && sync', "cp-sync", str(src), str(out)]
     if contender == "dd-direct":  # copy with O_DIRECT on both sides, 4 MiB requests: what convert's I/O does
         return ["sh", "-c", 'mkdir "$2" && for f in "$1"/*; do dd if="$f" of="$2/${f##*/}" bs=4M iflag=direct '
                 'oflag=direct status=none || exit 1; done', "dd-direct", str(src), str(out)]
@@ -91,6 +93,8 @@ def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, con
                 contender.removeprefix("per-layer-")]
     if contender == "verify":  # the pair when the assistant is benchmarked too: target layers, then the assistant
         sources = ["--target", str(src)] + (["--assistant", str(assistant)] if assistant else [])
+        if pair:
+            sources = ["--target", str(src / "target"), "--assistant", str(src / "assistant")]
         return [CLI, "verify", *sources, "--converted", str(converted), "--device", "cpu", "--seq-len", str(seq_len),
                 "--json", str(out / "verification.json")]
     if contender.startswith("naive-"):
@@ -241,6 +245,8 @@ def bench_source(source: Source, args: argparse.Namespace, log: Path, *, assista
     if "verify" in contenders:
         shutil.rmtree(converted, ignore_errors=True)
         sources = ["--target", str(source.path)] + (["--assistant", str(pair.path)] if pair else [])
+        if source.parts:
+            sources = ["--target", str(source.path / "target"), "--assistant", str(source.path / "assistant")]
         with open(log, "ab") as sink:
             subprocess.run([CLI, "convert", *sources, "--out", str(converted), "--layout", "pad-global"],
                            check=True, stdout=sink, stderr=subprocess.STDOUT)
@@ -335,28 +341,36 @@ def summarize(runs: list[Run], sizes: dict[str, int]) -> list[dict]:
     rows = []
     for source, cache in dict.fromkeys((r.source, r.cache) for r in runs):
         same = [r for r in runs if (r.source, r.cache) == (source, cache)]
-        cp = [r.wall_s for r in same if r.contender == "cp"]
-        cp_median = statistics.median(cp) if cp else None
+        floor = next((c for c in FLOORS if any(r.contender == c for r in same)), None)
+        floor_wall = statistics.median(r.wall_s for r in same if r.contender == floor) if floor else None
+        floor_cpu = statistics.median(r.cpu_s for r in same if r.contender == floor) if floor else None
         for contender in dict.fromkeys(r.contender for r in same):
             mine = [r for r in same if r.contender == contender]
             wall = statistics.median(r.wall_s for r in mine)
+            cpu = statistics.median(r.cpu_s for r in mine)
             rows.append({"source": source, "cache": cache, "input_gb": sizes[source] / 1e9, "contender": contender,
-                         "runs": len(mine),
+                         "runs": len(mine), "floor": floor,
                          "wall_s": wall, "min_s": min(r.wall_s for r in mine), "max_s": max(r.wall_s for r in mine),
-                         "gb_per_s": sizes[source] / 1e9 / wall, "vs_cp": wall / cp_median if cp_median else None,
-                         "cpu_s": statistics.median(r.cpu_s for r in mine),
+                         "gb_per_s": sizes[source] / 1e9 / wall, "vs_cp": wall / floor_wall if floor_wall else None,
+                         "cpu_s": cpu, "cpu_s_per_gb": cpu / (sizes[source] / 1e9),
+                         "cpu_vs_cp": cpu / floor_cpu if floor_cpu else None,
                          "rss_mib": max(r.maxrss_kb for r in mine) / 1024})
     return rows
 
 
+FLOORS = ("cp-sync", "cp")  # what `x cp` divides by: the synced copy where it ran
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| source (input GB) | contender | wall s, median (min-max) | GB/s in | x cp | CPU s | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| source (input GB) | contender | wall s, median (min-max) | GB/s in | x floor | CPU s | CPU s/GB "
+             "| CPU x floor | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['vs_cp']:.2f}" if r["vs_cp"] is not None else "-"
+        cpu_ratio = f"{r['cpu_vs_cp']:.2f}" if r["cpu_vs_cp"] is not None else "-"
         lines.append(f"| {r['source']} ({r['input_gb']:.2f}) | {r['contender']} | {r['wall_s']:.2f} "
                      f"({r['min_s']:.2f}-{r['max_s']:.2f}) | {r['gb_per_s']:.3f} | {ratio} | {r['cpu_s']:.1f} "
-                     f"| {r['rss_mib']:.0f} |")
+                     f"| {r['cpu_s_per_gb']:.2f} | {cpu_ratio} | {r['rss_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -379,7 +393,7 @@ def render(rows: list[dict], *, args: argparse.Namespace, info: dict[str, str], 
         "safetensors.torch, converter.transforms'` untimed, so the data is cold and the programs are not. Each "
         "contender is a fresh child process writing a fresh directory; wall time includes an fsync of every output "
         f"file; medians of {args.repeats} repetitions, interleaved (rep 1 of every contender warm then cold, then "
-        "rep 2, ...); `x cp` divides by the median `cp -r` of the same cache state; peak RSS is the largest "
+        "rep 2, ...); `x floor` and `CPU x floor` divide by the median wall and CPU seconds of the floor of the same source and cache state: `cp-sync` (`cp -r SRC DST && sync`, the same durability as convert, which fsyncs what it writes) where it ran, else `cp` (`cp -r` plus the fsync of every file it wrote); CPU s is user + system of the child and its children (wait4), not the kernel's own writeback threads; peak RSS is the largest "
         "ru_maxrss (kernel, via wait4) of the child over its repetitions. `per-layer` and `pad-global` run with the "
         "default `--link auto` (a copy here: the filesystem has no reflinks); `per-layer-reflink` reads a copy of the "
         f"source on {args.reflink_dir or '(not run)'} (a loop-mounted XFS image with reflink=1) and writes beside it. "
