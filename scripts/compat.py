@@ -34,7 +34,7 @@ DOC = REPO / "docs" / "COMPATIBILITY.md"
 README = REPO / "README.md"
 RESUME_FILE = Path.home() / ".cache" / "gemma4-convert" / "compat-resume.jsonl"
 TESTS = ("tests/test_vllm027.py", "tests/test_vllm027_predictions.py", "tests/test_transformers_pins.py",
-         "tests/test_engine027.py")
+         "tests/test_engine027.py", "tests/test_tp_ranks.py")
 
 
 def build_envs(specs: list[str]) -> tuple[list[str], float]:

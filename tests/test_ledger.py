@@ -17,7 +17,9 @@ from converter.advice.compat import (CHECK_ENGINE, CHECK_LOADER, LEDGER_PATH, PA
                                      render_markdown, render_table, stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONVERSIONS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_VLLM,
+from converter.testing.cases import (CONVERSIONS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_TP_SIZES,
+                                     ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL, RANK_ENV, RANK_SOURCES,
+                                     RANK_TP_SIZES,
                                      LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED, NEWEST, RELEASES, build_loader_case,
                                      case_digests, engine_transformers)
 
@@ -53,16 +55,22 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
         if row.variant == MIXED:
             continue  # a negative control of the check itself, not a compatibility statement
         tf = _newest(ledger, row.vllm, CHECK_LOADER) if row.transformers == NEWEST else row.transformers
-        want.add((CHECK_LOADER, row.source, _variant(row.variant), row.vllm, tf, ""))
+        want.add((CHECK_LOADER, row.source, _variant(row.variant), row.vllm, tf, "", 1))
     newest = _newest(ledger, ENGINE_VLLM, CHECK_ENGINE)
     for name, source in ENGINE_SOURCES.items():
-        want |= {(CHECK_ENGINE, name, layout, ENGINE_VLLM, tf, dtype) for layout in ("per-layer", "pad-global")
+        want |= {(CHECK_ENGINE, name, layout, ENGINE_VLLM, tf, dtype, 1) for layout in ("per-layer", "pad-global")
                  for tf in (LEGACY_TRANSFORMERS, newest) for dtype in source.dtypes}
     for release in (r for r in RELEASES if r.engine and r.vllm != ENGINE_VLLM):
         tfs = [_newest(ledger, release.vllm, CHECK_ENGINE) if t == NEWEST else t for t in engine_transformers(release)]
-        want |= {(CHECK_ENGINE, name, layout, release.vllm, tf, dtype) for name in ENGINE_RELEASE_SOURCES
+        want |= {(CHECK_ENGINE, name, layout, release.vllm, tf, dtype, 1) for name in ENGINE_RELEASE_SOURCES
                  for layout in ("per-layer", "pad-global") for tf in tfs for dtype in ENGINE_SOURCES[name].dtypes}
-    have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype) for r in ledger}
+    want |= {(CHECK_ENGINE, name, layout, ENGINE_VLLM, LEGACY_TRANSFORMERS, dtype, tp) for name in ENGINE_TP_SOURCES
+             for layout in (ORIGINAL, "per-layer", "pad-global") for tp in ENGINE_TP_SIZES
+             for dtype in ENGINE_SOURCES[name].dtypes}
+    _, rank_vllm, rank_tf = RANK_ENV
+    want |= {(CHECK_LOADER, name, layout, rank_vllm, rank_tf, "", tp) for name in RANK_SOURCES
+             for layout in (ORIGINAL, "per-layer", "pad-global") for tp in RANK_TP_SIZES}
+    have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype, r.tp) for r in ledger}
     assert not want - have, f"matrix rows the ledger lacks (run make compat): {sorted(want - have)}"
     assert not have - want, f"ledger rows no matrix row asks for: {sorted(have - want)}"
 

@@ -49,7 +49,8 @@ class LedgerRow:
     config_form: str = ""
     kv_heads: str = ""
     # "pair": the row stands for a published checkpoint in this form; "draft": only the draft was proven (the
-    # synthetic target lacks tensors published ones carry), so it says nothing about serving the target
+    # synthetic target lacks tensors published ones carry), so it says nothing about serving the target; "ranks":
+    # vLLM's layers and loaders built as every rank of TP `tp` (scripts/vllm027/tp_check.py), summed over ranks
     scope: str = "pair"
 
     @property

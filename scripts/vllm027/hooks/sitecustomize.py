@@ -7,8 +7,9 @@ vLLM files is changed) and is active only when its environment variable is set.
 
 GEMMA4_DRAFT_LOG=FILE   log every step's draft proposals. Wraps
     ``GPUModelRunner.take_draft_token_ids`` (``v1/worker/gpu_model_runner.py``; the CPU model runner
-    inherits it): one JSON line per engine step, {"req_ids": [...], "drafts": [[token, ...], ...]}.
-    Observation only: the wrapped call's result is returned unchanged.
+    inherits it): one JSON line per engine step, {"req_ids": [...], "drafts": [[token, ...], ...], "rank": r}.
+    Under tensor parallelism every worker proposes and logs; `rank` (its TP rank) lets the reader keep rank 0's, the
+    only reply the scheduler takes. Observation only: the wrapped call's result is returned unchanged.
 
 GEMMA4_MOE_LOG=FILE   log which CPU fused-MoE kernel every MoE layer got, and every call into it. Wraps
     ``CPUFusedMOE`` and ``SGLFusedMOE`` (``model_executor/layers/fused_moe/cpu_fused_moe.py``; the unquantized
@@ -93,10 +94,18 @@ def _patch_draft_log(module: ModuleType) -> None:
         if out is not None and os.environ.get(DRAFT_LOG_VAR):
             ids = out.draft_token_ids
             ids = ids.tolist() if hasattr(ids, "tolist") else [list(x) for x in ids]
-            _log_line(DRAFT_LOG_VAR, {"req_ids": list(out.req_ids), "drafts": ids})
+            _log_line(DRAFT_LOG_VAR, {"req_ids": list(out.req_ids), "drafts": ids, "rank": _tp_rank()})
         return out
 
     cls.take_draft_token_ids = take_draft_token_ids
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no parallel state (a single-process engine): the only rank
+        return 0
 
 
 def _patch_moe_log(module: ModuleType) -> None:
