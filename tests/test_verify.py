@@ -139,3 +139,15 @@ def test_assistant_alone_is_checked_against_placed_kv(converted, tmp_path, run_c
     report = json.loads((tmp_path / "r.json").read_text())
     assert [layer["name"] for layer in report["layers"]] == ["assistant hidden", "assistant logits"]
 
+
+
+def test_tp_checks_the_pair_at_the_sizes_served(converted, tmp_path, run_cli):
+    """--tp N: the pair's per-rank KV geometry at N, and a size vLLM refuses for the target (31B: 32 heads, 16 / 4 KV
+    heads, so 3 divides nothing) fails verify by name; a size it serves passes."""
+    out = _copy(converted, tmp_path, "per-layer")
+    assert _verify(run_cli, converted, out, "--dtype", "fp32", "--tp", "2", "--tp", "8").code == 0
+    result = _verify(run_cli, converted, out, "--dtype", "fp32", "--tp", "3", "--json", tmp_path / "r.json")
+    assert result.code == 1, result.out + result.err
+    problems = json.loads((tmp_path / "r.json").read_text())["structural"]["problems"]
+    assert any("--tensor-parallel-size 3 does not divide the 32 attention heads" in p for p in problems), problems
+    assert "tensor-parallel-size 3" in result.err

@@ -28,10 +28,14 @@ from ._common import PATH, SOURCE, resolve_cli_source
               help="Tokens of random hidden state per attention layer.")
 @click.option("--tolerance-factor", type=click.FloatRange(min=1.0), default=2.0, show_default=True,
               help="Converted error allowed, as a multiple of the original model's own noise floor.")
+@click.option("--tp", "tp_sizes", type=click.IntRange(min=1), multiple=True, metavar="N",
+              help="Tensor-parallel size you serve with (repeatable): the pair's per-rank KV geometry is compared at "
+                   "it, and a size vLLM refuses for the target fails. Default: compare at 1, 2, 4 and 8.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Also write the report here (it is always written as verification.json in the output).")
 def command(paths: tuple[Path, ...], target: LocalSource | None, assistant: LocalSource | None, converted: Path | None,
-            device: str, dtype: str, seed: int, seq_len: int, tolerance_factor: float, json_path: Path | None) -> None:
+            device: str, dtype: str, seed: int, seq_len: int, tolerance_factor: float, tp_sizes: tuple[int, ...],
+            json_path: Path | None) -> None:
     """Verify a conversion: every tensor accounted for, bits exact, and outputs equivalent layer by layer.
 
     \b
@@ -50,7 +54,7 @@ def command(paths: tuple[Path, ...], target: LocalSource | None, assistant: Loca
         raise UsageError("missing --converted DST")
     request = VerifyRequest(converted=out, target=target and target.path, assistant=assistant and assistant.path,
                             single=single, device=device, dtype=dtype, seed=seed, seq_len=seq_len,
-                            tolerance_factor=tolerance_factor)
+                            tolerance_factor=tolerance_factor, tp_sizes=tp_sizes)
     pairs = load_pairs(request)
     total = sum(output.total_bytes for _, output in pairs.values())
     from tqdm import tqdm  # ~0.1 s: imported by the runs that show progress, not by --help

@@ -21,6 +21,7 @@ from ..errors import InputError, UsageError
 from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, parse_attention_name
 from ..layouts.base import layout_from_manifest
 from ..pairing import check_pair
+from ..parallel import DEFAULT_TP_SIZES
 from ..plan import TensorPlan
 from ..read.checkpoint import Checkpoint, read_checkpoint
 from ..read.sequential import MappedFile
@@ -209,8 +210,11 @@ def _equal(a: memoryview | bytearray, b: memoryview | bytearray) -> bool:
 
 
 def structural_report(pairs: dict[str, tuple[Checkpoint, Checkpoint]],
-                      on_bytes: Callable[[int], None] = lambda n: None) -> StructuralReport:
-    """Structure of every converted checkpoint, plus the pair check when both sides were converted."""
+                      on_bytes: Callable[[int], None] = lambda n: None,
+                      tp_sizes: tuple[int, ...] = ()) -> StructuralReport:
+    """Structure of every converted checkpoint, plus the pair check when both sides were converted: its KV geometry
+    per tensor-parallel rank at `tp_sizes` (the sizes the user serves with, each also checked against what vLLM
+    refuses), else at DEFAULT_TP_SIZES."""
     problems: list[Problem] = []
     copied = transformed = 0
     for role, (source, output) in pairs.items():
@@ -220,7 +224,8 @@ def structural_report(pairs: dict[str, tuple[Checkpoint, Checkpoint]],
     if ROLE_TARGET in pairs and ROLE_ASSISTANT in pairs:
         target, assistant = pairs[ROLE_TARGET][1], pairs[ROLE_ASSISTANT][1]
         pair = check_pair(target.spec, assistant.spec, target_manifest=target.manifest,
-                          assistant_manifest=assistant.manifest)
+                          assistant_manifest=assistant.manifest, tp_sizes=tp_sizes or DEFAULT_TP_SIZES,
+                          tp_required=bool(tp_sizes))
         problems += [Problem("pair", p) for p in pair.problems]
     return StructuralReport(problems=tuple(problems), tensors_checked=copied + transformed, copied=copied,
                             transformed=transformed)
@@ -237,6 +242,7 @@ class VerifyRequest:
     seed: int = 0
     seq_len: int = 64
     tolerance_factor: float = 2.0
+    tp_sizes: tuple[int, ...] = ()  # --tp: the tensor-parallel sizes served with (empty: DEFAULT_TP_SIZES, advisory)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -289,7 +295,7 @@ def verify(request: VerifyRequest, *, on_bytes: Callable[[int], None] = lambda n
     started = time.perf_counter()
     device = resolve_device(request.device)
     pairs = load_pairs(request)
-    structural = structural_report(pairs, on_bytes=on_bytes)
+    structural = structural_report(pairs, on_bytes=on_bytes, tp_sizes=request.tp_sizes)
     layers = numerical_checks(pairs, device=device, dtype=request.dtype, seed=request.seed,
                               seq_len=request.seq_len, factor=request.tolerance_factor, on_layer=on_layer)
     first = structural.problems[0].describe() if structural.problems else next(
