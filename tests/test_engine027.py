@@ -54,6 +54,14 @@ REF_CACHE = Path(os.environ.get("GEMMA4_SERVE_REF_CACHE") or Path.home() / ".cac
 # E2B passes (1.7e-4). An open finding, not a tolerance: its tokens must stay identical and its delta within 10 x
 # the tolerance; the strict verdict itself is reported, not asserted (it flips with the run's own noise).
 KNOWN_STRICT_MISSES = {("e2b", "pad-global", "float32")}
+# Measured (make compat, 2026-12-02): at TP 2 every pair generates every token of the original at TP 1 within the
+# logprob tolerance, but a few draft proposals flip. The ORIGINAL itself flips them: E2B 2 of 240 at TP 2 against
+# TP 1, as does its per-layer output (same tensors); pad-global 0. On 31B geometry the original and per-layer flip
+# none and pad-global 2 of 240. The all-reduce sums the ranks' partial outputs in another order, and a near-flat
+# random-weight draft turns that rounding into another argmax. The per-rank check (tests/test_tp_ranks.py) sums every
+# rank's attention to within 5e-7 of the unsharded original at TP 2, 4 and 8. So at TP > 1 the strict verdict is
+# recorded as measured, and the test holds tokens and logprobs exact and draft flips at or below TP_DRAFT_FLIPS.
+TP_DRAFT_FLIPS = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -236,12 +244,18 @@ def test_tensor_parallel_generates_like_one_rank(engine_envs, built, tmp_path, s
     assert len(report["verdicts"]) == len(pairs) * len(source.dtypes)
     for verdict in report["verdicts"]:
         where = f"{verdict['pair']} at TP {tp} {verdict['dtype']}"
-        if (source_name, verdict["pair"], verdict["dtype"]) in KNOWN_STRICT_MISSES:  # as at TP 1, above
-            assert verdict["tokens_identical"], f"{where}: {verdict}"
-            assert verdict["max_delta"] < 10 * verdict["tolerance"], f"{where}: {verdict}"
-        else:
-            assert verdict["passed"], f"{where}: {verdict['reasons']}\n{output[-3000:]}"
+        assert verdict["tokens_identical"], f"{where}: {verdict['reasons']}\n{output[-3000:]}"
+        limit = 10 * verdict["tolerance"] if (source_name, verdict["pair"], verdict["dtype"]) in KNOWN_STRICT_MISSES \
+            else verdict["tolerance"]
+        assert verdict["max_delta"] <= limit, f"{where}: {verdict}"
+        assert draft_flips(verdict) <= TP_DRAFT_FLIPS, f"{where}: {verdict['draft_mismatch']} draft tokens differ"
     record_engine_rows(source_name, report, [env], digests)
+
+
+def draft_flips(verdict: dict) -> float:
+    """The share of draft tokens that differ from the reference's ("2/240" -> 0.0083)."""
+    bad, total = (int(x) for x in verdict["draft_mismatch"].split("/"))
+    return bad / total if total else 0.0
 
 
 def assert_acceptance_reported(report: dict, pair: EnginePair) -> None:

@@ -8,6 +8,7 @@ re-proven fails as "stale proof". The ledger must also hold a row for every row 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -75,11 +76,25 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
     assert not have - want, f"ledger rows no matrix row asks for: {sorted(have - want)}"
 
 
+def _row_text(r: LedgerRow) -> str:
+    return (f"{r.check} {r.case} {r.variant} vLLM {r.vllm} transformers {r.transformers} {r.dtype} TP {r.tp}: "
+            f"{r.verdict} (predicted {r.expected}) {r.detail}")
+
+
+def _only_draft_flips(detail: str, limit: float = 0.02) -> bool:
+    """The detail is one reason, "N of M draft tokens differ", with N / M <= limit."""
+    match = re.fullmatch(r"(\d+) of (\d+) draft tokens differ", detail)
+    return bool(match) and int(match.group(1)) <= limit * int(match.group(2))
+
+
 def test_every_row_did_what_the_converter_predicted(ledger):
-    surprises = [f"{r.check} {r.case} {r.variant} vLLM {r.vllm} transformers {r.transformers} {r.dtype}: "
-                 f"{r.verdict} (predicted {r.expected}) {r.detail}" for r in ledger if r.verdict != r.expected]
-    # one measured open finding may miss the strict fp32 verdict (docs/COMPATIBILITY.md): E2B pad-global
+    surprises = [_row_text(r) for r in ledger if r.verdict != r.expected]
+    # measured open findings may miss the strict fp32 verdict (docs/COMPATIBILITY.md): E2B pad-global, and at TP > 1
+    # a few draft tokens flipped by the all-reduce's summation order (tests/test_engine027.py TP_DRAFT_FLIPS), the
+    # original's own included
     surprises = [s for s in surprises if not s.startswith("engine e2b pad-global")]
+    flips = {_row_text(r) for r in ledger if r.check == CHECK_ENGINE and r.tp > 1 and _only_draft_flips(r.detail)}
+    surprises = [s for s in surprises if s not in flips]
     assert not surprises, "\n".join(surprises)
     assert {r.layout for r in ledger if r.verdict == PASS} >= {"original", "per-layer", "pad-global"}
 
