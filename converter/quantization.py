@@ -25,6 +25,8 @@ COMPRESSED_TENSORS = "compressed-tensors"
 MODELOPT = "modelopt"
 # Strategies whose scales are per output row or per tensor: padding/replicating rows and zero columns stay exact.
 ROW_EXACT_STRATEGIES = ("channel", "tensor")
+PACK_QUANTIZED = "pack-quantized"
+PACKED_BITS = (4, 8)  # widths pack_to_int32 fits whole into each int32 word (others straddle words)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class WeightScheme:
     strategy: str | None
     group_size: int | None
     block_structure: tuple[int, int] | None = None  # strategy "block": [rows, columns] per scale
+    symmetric: bool = True  # False: integer codes carry a zero point (weight_zero_point)
 
     def describe(self) -> str:
         if self.method == MODELOPT:
@@ -52,6 +55,13 @@ class WeightScheme:
     @property
     def is_fp8(self) -> bool:
         return self.method == COMPRESSED_TENSORS and self.type == "float" and self.num_bits == 8
+
+    @property
+    def is_packed_int(self) -> bool:
+        """compressed-tensors `pack-quantized` integer codes whose int32 words hold whole codes (4 or 8 bits): a
+        code can be moved to another column by integer operations alone."""
+        return (self.method == COMPRESSED_TENSORS and self.format == PACK_QUANTIZED and self.type == "int"
+                and self.num_bits in PACKED_BITS)
 
     def moves_exactly(self, *, columns: bool) -> bool:
         """Whether padding this weight keeps its dequantized values: rows move with their scale rows (per-channel,
@@ -113,7 +123,8 @@ def weight_scheme(config: Mapping[str, Any] | None, module: str) -> WeightScheme
             return WeightScheme(method=method, format=config.get("format"), type=weights.get("type"),
                                 num_bits=weights.get("num_bits"), strategy=weights.get("strategy"),
                                 group_size=weights.get("group_size"),
-                                block_structure=tuple(block) if block else None)
+                                block_structure=tuple(block) if block else None,
+                                symmetric=bool(weights.get("symmetric", True)))
     return None
 
 

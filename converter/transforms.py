@@ -1,7 +1,8 @@
 """Pure tensor functions the layouts are built from: no I/O, no floating-point arithmetic.
 
 Every function moves or zero-fills whole elements, working on a same-width integer view of the
-tensor, so bf16, fp32 and fp8 values (and their bit patterns) are carried over exactly.
+tensor, so bf16, fp32 and fp8 values (and their bit patterns) are carried over exactly; packed integer codes
+(compressed-tensors pack-quantized) are unpacked, moved and repacked as integers.
 
 The pad-global placement ("interleaved per half", FACTS.md section 4): head dim i < d/2 goes to slot
 r*i and d/2+i goes to D/2 + r*i, with r = D/d. Default RoPE over D then pairs (p, p + D/2) exactly
@@ -131,6 +132,46 @@ def repeat_columns(weight: torch.Tensor, *, repeats: int) -> torch.Tensor:
     return _as_int(weight).repeat_interleave(repeats, dim=1).view(weight.dtype)
 
 
+def _unpack_codes(words: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """int32 words [rows, n] -> their codes [rows, n * 32 / num_bits] (int32, 0 .. 2**num_bits - 1); code k of a
+    word sits at bits k*num_bits (compressed-tensors `pack_to_int32`, little end first)."""
+    per_word = 32 // num_bits
+    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    codes = (words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
+    return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+
+
+def _pack_codes(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """The inverse of _unpack_codes: codes [rows, m] (m a multiple of 32 / num_bits) -> int32 words."""
+    per_word = 32 // num_bits
+    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    words = (codes.to(torch.int64).reshape(*codes.shape[:-1], -1, per_word) << shifts).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # the same 32 bits, signed
+
+
+def pad_packed_columns(weight: torch.Tensor, *, num_bits: int, ratio: int) -> torch.Tensor:
+    """A pack-quantized o_proj weight: int32 words of num_bits codes [out, in * num_bits / 32] -> the words of
+    [out, in * ratio] codes, code c at column c * ratio (as pad_head_columns places W) and the zero code at the
+    copies: compressed-tensors stores a symmetric code as value + 2**(num_bits - 1), so that offset dequantizes to
+    exactly 0 under any scale."""
+    if weight.dtype != torch.int32 or weight.dim() != 2 or num_bits not in (4, 8) or ratio < 1:
+        raise ValueError(f"pad_packed_columns: expected 2-D int32 words of 4- or 8-bit codes, got {weight.dtype} "
+                         f"{tuple(weight.shape)} with num_bits {num_bits}, ratio {ratio}")
+    codes = _unpack_codes(weight, num_bits)
+    padded = torch.full((*codes.shape, ratio), 1 << (num_bits - 1), dtype=torch.int64)
+    padded[..., 0] = codes
+    return _pack_codes(padded.reshape(codes.shape[0], -1), num_bits)
+
+
+def scale_weight_shape(weight: torch.Tensor, *, rows: int = 1, columns: int = 1) -> torch.Tensor:
+    """A pack-quantized `weight_shape` [out, in]: the unpacked weight's shape after its rows grew `rows` times and
+    its columns `columns` times (vLLM checks the packed tensor against it)."""
+    if tuple(weight.shape) != (2,) or weight.dtype.is_floating_point:
+        raise ValueError(f"scale_weight_shape: expected an integer [2] weight_shape, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    return weight * torch.tensor([rows, columns], dtype=weight.dtype)
+
+
 TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
     "pad_head_rows": pad_head_rows,
     "pad_head_norm": pad_head_norm,
@@ -138,6 +179,8 @@ TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
     "replicate_kv_heads": replicate_kv_heads,
     "repeat_columns": repeat_columns,
     "repeat_rows": repeat_rows,
+    "pad_packed_columns": pad_packed_columns,
+    "scale_weight_shape": scale_weight_shape,
 }
 
 

@@ -82,3 +82,32 @@ def test_bytes_round_trip_through_transform_bytes():
     out = transform_bytes(raw, dtype=torch.bfloat16, shape=(8, 3), name="pad_head_rows",
                           params={"num_heads": 2, "head_dim": 4, "target_head_dim": 8})
     assert bytes(out) == bytes(encode(pad_head_rows(weight, num_heads=2, head_dim=4, target_head_dim=8)))
+
+
+@pytest.mark.parametrize("num_bits", [4, 8])
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_pad_packed_columns_moves_codes_as_compressed_tensors_packs_them(num_bits, ratio):
+    """Packed with compressed-tensors' own pack_to_int32, padded, unpacked with its unpack_from_int32: every code at
+    column c * ratio, the value 0 at the copies (the zero code is the packing offset), in any int32 bit pattern."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    from converter.transforms import pad_packed_columns
+
+    low, high = -(1 << (num_bits - 1)), 1 << (num_bits - 1)
+    values = torch.randint(low, high, (6, 64), generator=torch.Generator().manual_seed(num_bits), dtype=torch.int8)
+    values[0, :] = high - 1  # top code everywhere: words with the sign bit set
+    padded = pad_packed_columns(pack_to_int32(values, num_bits), num_bits=num_bits, ratio=ratio)
+    got = unpack_from_int32(padded, num_bits, torch.Size([6, 64 * ratio]))
+    want = torch.zeros(6, 64, ratio, dtype=torch.int8)
+    want[..., 0] = values
+    assert padded.dtype == torch.int32 and got.equal(want.reshape(6, 64 * ratio))
+
+
+def test_scale_weight_shape_is_integer_only():
+    from converter.transforms import scale_weight_shape
+
+    shape = torch.tensor([672, 8192], dtype=torch.int64)
+    assert scale_weight_shape(shape, columns=2).tolist() == [672, 16384]
+    assert scale_weight_shape(shape, rows=4).tolist() == [2688, 8192]
+    with pytest.raises(ValueError, match="integer \\[2\\] weight_shape"):
+        scale_weight_shape(torch.tensor([1.0, 2.0]), rows=2)

@@ -10,6 +10,13 @@ fp8 `block` scales move too where every output block's rows (columns) come from 
 repeats source row j at rows j*r .. j*r + r - 1, so each scale row is repeated r times whenever the blocks tile
 the projection's rows (head_dim 128 or 256 with 128-row blocks alike), each o_proj scale column r times (zeros
 are exact under any scale). Other block shapes are refused by name.
+
+Packed integer codes (compressed-tensors `pack-quantized`, symmetric int4 / int8: Google's QAT W4A16, int8
+channel-wise) move too: q/k/v rows are whole rows of int32 words and of their group or channel scales, so they move
+as they are; o_proj's codes are unpacked, spread to every r-th column with the zero code between, and repacked,
+and its group scales repeat r times along the input, which is exact when a group never straddles two halves of a
+head (group size dividing head_dim / 2; 32 divides 128, the 31B sliding half). `weight_shape` follows. Asymmetric
+codes (a zero point) are refused by name.
 """
 
 from __future__ import annotations
@@ -50,14 +57,19 @@ class PadGlobalLayout(Layout):
         columns = module == "o_proj"
         if scheme is None or scheme.moves_exactly(columns=columns):
             return
-        if scheme.is_fp8 and scheme.strategy == "block" and scheme.block_structure:
+        if scheme.is_packed_int:
+            why = _packed_problem(scheme, module, layer)
+            if why is None:
+                return
+        elif scheme.is_fp8 and scheme.strategy == "block" and scheme.block_structure:
             why = _block_problem(scheme.block_structure, module, layer, spec.attention)
             if why is None:
                 return
         elif scheme.is_fp8 and scheme.strategy in ("group", "block", "tensor_group"):
             why = "its scale groups would straddle original and padding " + ("columns" if columns else "rows")
         else:
-            why = "pad-global moves only fp8 weights with per-channel or per-tensor scales exactly"
+            why = ("pad-global moves fp8 weights with per-channel, per-tensor or tiling block scales, and symmetric "
+                   "4- or 8-bit pack-quantized codes, exactly")
         raise InputError(f"{source}: {name} is quantized as {scheme.describe()}; {why}. Refusing to requantize: "
                          "convert the bf16 checkpoint, or use --layout per-layer")
 
@@ -69,6 +81,10 @@ class PadGlobalLayout(Layout):
         block = _scale_block(tensor, spec)
         if block is not None:
             return self._plan_block_scale(tensor, spec, out_name, block)
+        packed = _packed_scheme(tensor, spec)
+        if packed is not None and tensor.param in ("weight_packed", "weight_shape") or \
+                (packed is not None and tensor.module == "o_proj" and tensor.param == "weight_scale"):
+            return self._plan_packed(tensor, spec, out_name, packed)
         if layer.head_dim != target:
             ratio = target // layer.head_dim
             if tensor.module in ("q_proj", "k_proj", "v_proj") and per_row:
@@ -112,6 +128,36 @@ class PadGlobalLayout(Layout):
                                head_dim=layer.head_dim // rows_per_block, repeats=repeats)
         return kept(tensor, out_name)
 
+    @staticmethod
+    def _plan_packed(tensor: AttentionTensor, spec: ModelSpec, out_name: str, scheme: Any) -> TensorPlan:
+        """A pack-quantized projection's weight_packed, weight_shape, or o_proj weight_scale (q/k/v scales are
+        whole rows and go the per-row way); check() made sure the codes and groups move exactly."""
+        a, layer, shape = spec.attention, tensor.layer, tensor.source.shape
+        ratio = a.global_head_dim // layer.head_dim
+        repeats = a.num_kv_heads // layer.num_kv_heads if tensor.module == "k_proj" else 1
+        if layer.head_dim == a.global_head_dim and repeats == 1:
+            return kept(tensor, out_name)
+        if tensor.param == "weight_shape":
+            rows, columns = (1, ratio) if tensor.module == "o_proj" else (ratio if ratio > 1 else repeats, 1)
+            return transformed(tensor, out_name, action="reshaped", transform="scale_weight_shape", shape=shape,
+                               rows=rows, columns=columns)
+        if tensor.module != "o_proj":  # weight_packed rows: the per-row transforms move whole int32 words
+            if ratio > 1:
+                heads = a.num_heads if tensor.module == "q_proj" else layer.num_kv_heads
+                return transformed(tensor, out_name, action="padded", transform="pad_head_rows",
+                                   shape=(shape[0] * ratio, *shape[1:]), num_heads=heads, head_dim=layer.head_dim,
+                                   target_head_dim=a.global_head_dim)
+            return transformed(tensor, out_name, action="replicated", transform="replicate_kv_heads",
+                               shape=(shape[0] * repeats, *shape[1:]), num_heads=layer.num_kv_heads,
+                               head_dim=layer.head_dim, repeats=repeats)
+        if tensor.param == "weight_packed":
+            return transformed(tensor, out_name, action="padded-columns", transform="pad_packed_columns",
+                               shape=(shape[0], shape[1] * ratio), num_bits=int(scheme.num_bits), ratio=ratio)
+        if scheme.strategy == "group":  # o_proj's group scales: each new group reads one source group
+            return transformed(tensor, out_name, action="padded-columns", transform="repeat_columns",
+                               shape=(shape[0], shape[1] * ratio), repeats=ratio)
+        return kept(tensor, out_name)  # channel scales: the zero codes are exact under any scale
+
     def geometry_keys(self, attention: AttentionConfig) -> dict[str, Any]:
         # num_global_key_value_heads stays written: transformers 5.14.1 fails on None (FACTS.md section 4)
         return explicit_geometry(attention, head_dim=attention.global_head_dim,
@@ -137,6 +183,27 @@ def _scale_block(tensor: AttentionTensor, spec: ModelSpec) -> tuple[int, int] | 
     name = f"{spec.weight_prefix}layers.{tensor.layer.index}.self_attn.{tensor.module}"
     scheme = weight_scheme(spec.quantization, name)
     return scheme.block_structure if scheme and scheme.strategy == "block" else None
+
+
+def _packed_scheme(tensor: AttentionTensor, spec: ModelSpec) -> Any:
+    """The pack-quantized integer scheme of this projection tensor; None for anything else."""
+    if tensor.module not in PROJECTIONS:
+        return None
+    scheme = weight_scheme(spec.quantization, f"{spec.weight_prefix}layers.{tensor.layer.index}.self_attn."
+                                              f"{tensor.module}")
+    return scheme if scheme is not None and scheme.is_packed_int else None
+
+
+def _packed_problem(scheme: Any, module: str, layer: LayerGeometry) -> str | None:
+    """Why packed integer codes of `module` cannot move exactly; None when they can."""
+    if not scheme.symmetric:
+        return "its codes carry a zero point (asymmetric), which pad-global does not move"
+    if scheme.strategy not in ("group", "channel", "tensor"):
+        return f"its {scheme.strategy} scales are not a grid pad-global moves"
+    if module == "o_proj" and scheme.strategy == "group" and (layer.head_dim // 2) % int(scheme.group_size or 1):
+        return (f"its groups of {scheme.group_size} input columns straddle two halves of a {layer.head_dim}-wide "
+                f"head, so a padded group would mix two source groups")
+    return None
 
 
 def _block_problem(block: tuple[int, int], module: str, layer: LayerGeometry, a: AttentionConfig) -> str | None:

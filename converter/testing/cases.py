@@ -109,7 +109,8 @@ SOURCES = {
     # gemma4_unified (12B family: encoder-free vision embedder) with gemma4_unified_assistant
     "31b-unified": Source("31b", "legacy", multimodal=True, num_shards=2, unified=True),
     # compressed-tensors W4A16 written by its own PackedQuantizationCompressor, like google/gemma-4-*-it-qat-w4a16-ct
-    # (int4 symmetric group 32, weight-only; k_eq_v full layers without v_proj); pad-global refuses it by name
+    # (int4 symmetric group 32, weight-only; k_eq_v full layers without v_proj); pad-global refuses it by name: its
+    # 32-wide test heads put one group of 32 across both halves of a head (real 256-wide heads move exactly, test_w4a16)
     "31b-w4a16": Source("31b", "legacy", multimodal=False, num_shards=2, w4a16=True, width_divisor=8,
                         layouts=("per-layer",)),
 }
