@@ -12,11 +12,11 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .synthetic import (fp8_quantization_config, modelopt_nvfp4_config, tiny_preset, w4a16_quantization_config,
-                        write_engine_pair, write_pair)
+from .synthetic import (PRESETS, Preset, fp8_quantization_config, modelopt_nvfp4_config, tiny_preset,
+                        w4a16_quantization_config, write_engine_pair, write_pair)
 
 ORIGINAL = "original"
 LAYOUTS = ("per-layer", "pad-global")
@@ -45,6 +45,16 @@ class Source:
     w4a16: bool = False  # compressed-tensors pack-quantized int4 group 32 (Google's QAT W4A16)
     width_divisor: int = 16  # tiny_preset widths (8: multiples of 32, what vLLM's CPU int4 kernel needs)
     layouts: tuple[str, ...] = LAYOUTS  # the layouts that convert it (the others refuse it by name)
+    real_heads: bool = False  # the preset's real head_dim / global_head_dim (256 / 512) instead of the tiny ones
+
+    @property
+    def preset_shape(self) -> Preset:
+        """What write_pair builds: tiny widths with the real ratios, and the real head sizes where asked."""
+        shape = tiny_preset(self.preset, width_divisor=self.width_divisor)
+        if self.real_heads:
+            shape = replace(shape, head_dim=PRESETS[self.preset].head_dim,
+                            global_head_dim=PRESETS[self.preset].global_head_dim)
+        return shape
 
     @property
     def quantization(self) -> dict | None:
@@ -82,6 +92,8 @@ class Source:
             parts.append("nvfp4")
         if self.w4a16:
             parts.append("w4a16 int4 group 32")
+        if self.real_heads:
+            parts.append("real head sizes")
         if self.unified:
             parts.append("gemma4_unified")
         return ", ".join(parts)
@@ -113,6 +125,10 @@ SOURCES = {
     # 32-wide test heads put one group of 32 across both halves of a head (real 256-wide heads move exactly, test_w4a16)
     "31b-w4a16": Source("31b", "legacy", multimodal=False, num_shards=2, w4a16=True, width_divisor=8,
                         layouts=("per-layer",)),
+    # the same with 31B's real head sizes (256 / 512): a group of 32 fits half a head, so pad-global moves the int4
+    # codes and scales exactly (layouts/pad_global.py) and vLLM's stock loaders read both layouts
+    "31b-w4a16-real-heads": Source("31b", "legacy", multimodal=False, num_shards=2, w4a16=True, width_divisor=8,
+                                   real_heads=True),
 }
 
 # Negative control: a pad-global target beside the ORIGINAL assistant loads and every tensor matches, but the
@@ -259,7 +275,7 @@ def build_loader_case(name: str, root: Path, *, variants: tuple[str, ...] | None
     """
     source = SOURCES[name]
     original = root / name / ORIGINAL
-    write_pair(original, preset=tiny_preset(source.preset, width_divisor=source.width_divisor), dialect=source.dialect,
+    write_pair(original, preset=source.preset_shape, dialect=source.dialect,
                multimodal=source.multimodal, num_shards=source.num_shards, unified=source.unified,
                quantization=source.quantization)
     built = {ORIGINAL: original}
