@@ -153,9 +153,13 @@ def test_readme_and_compatibility_page_are_generated_from_the_ledger(ledger):
 
 
 def test_every_loader_row_says_what_inspect_matches_it_by(ledger):
-    """inspect answers from these fields (advice/evidence.py): a loader row without them would be invisible."""
-    loader = [r for r in ledger if r.check == CHECK_LOADER]
+    """inspect answers from these fields (advice/evidence.py): a loader row without them would be invisible. The
+    per-rank rows (TP > 1, scope "ranks": tests/test_tp_ranks.py) prove sharding, not serving, and inspect skips
+    them."""
+    loader = [r for r in ledger if r.check == CHECK_LOADER and r.tp == 1]
     assert all(r.config_form and r.kv_heads in ("mixed", "uniform") and r.scope in ("pair", "draft") for r in loader)
+    ranks = [r for r in ledger if r.check == CHECK_LOADER and r.tp > 1]
+    assert ranks and all(r.scope == "ranks" for r in ranks)
 
 
 def test_the_table_names_every_layout(ledger):
