@@ -94,6 +94,20 @@ def test_inspect_tp_reports_each_rank_as_is_and_after_pad_global(pair, run_cli):
     assert json.loads(run_cli("inspect", pair["original"] / "target", "--json").out)["tensor_parallel"] is None
 
 
+def test_the_recommendation_names_pad_globals_price_at_the_tp_served(pair, run_cli):
+    """pad-global costs less KV per rank as TP grows (31B: x2.18 at TP 1-4, x2.0 at TP 8): where the recommendation
+    names pad-global, as the layout (vLLM 0.22) or the alternative (0.27), --tp N gives that price."""
+    target = pair["original"] / "target"
+    alternative = json.loads(run_cli("inspect", target, "--tp", "8", "--json").out)["recommendation"]["alternative"]
+    assert alternative["layout"] == "pad-global" and alternative["at_tp"] == {"tp": 8, "kv_cache_ratio_per_rank": 2.0}
+    old = json.loads(run_cli("inspect", target, "--tp", "2", "--serving", "vllm==0.22.1", "--json").out)
+    assert old["recommendation"]["layout"] == "pad-global"
+    assert old["recommendation"]["pad_global_at_tp"] == {"tp": 2, "kv_cache_ratio_per_rank": 2.182}
+    assert "at TP 2 its KV cache costs x2.182 per rank" in run_cli("inspect", target, "--tp", "2", "--serving",
+                                                                   "vllm==0.22.1").out
+    assert "at_tp" not in json.loads(run_cli("inspect", target, "--json").out)["recommendation"]["alternative"]
+
+
 def test_inspect_tp_vllm_refuses_is_a_problem_and_exit_3(pair, run_cli):
     result = run_cli("inspect", pair["original"] / "target", "--tp", "3", "--json")
     assert result.code == 3

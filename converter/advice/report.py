@@ -65,8 +65,9 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
         "conversion": _conversion(checkpoint, recognized),
         "vllm_0_27": predict_vllm(spec, attention_tensors, predict_weight_loading(
             contradictions + kv_shared_gaps(spec, attention_tensors), spec)),
-        "recommendation": recommend(spec, fused=_fused(attention_tensors), env=serving,
-                                    kv_ratio=kv_costs(spec.attention)[0].ratio, recognized=recognized),
+        "recommendation": _at_tensor_parallel(
+            recommend(spec, fused=_fused(attention_tensors), env=serving, kv_ratio=kv_costs(spec.attention)[0].ratio,
+                      recognized=recognized), parallel),
         "tensor_parallel": parallel,
         "weight_bytes": _weight_bytes(checkpoint, attention_tensors),
         "kv_cache_bytes_per_token": [
@@ -74,6 +75,20 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
              "ratio": None if c.ratio is None else round(c.ratio, 3)}
             for c in kv_costs(spec.attention)],
     }
+
+
+def _at_tensor_parallel(recommendation: dict[str, Any], parallel: dict[str, Any] | None) -> dict[str, Any]:
+    """With --tp N, pad-global's price where the recommendation names it (the layout or its alternative) is its KV
+    cache per rank at N: global heads per-layer replicates anyway cost nothing extra (31B x2.18 at TP 4, x2.0 at 8)."""
+    if parallel is None or parallel["pad_global_kv_ratio"] is None:
+        return recommendation
+    at_tp = {"tp": parallel["tp"], "kv_cache_ratio_per_rank": parallel["pad_global_kv_ratio"]}
+    if recommendation["layout"] == "pad-global":
+        return {**recommendation, "pad_global_at_tp": at_tp}
+    alternative = recommendation.get("alternative")
+    if alternative and alternative.get("layout") == "pad-global":
+        return {**recommendation, "alternative": {**alternative, "at_tp": at_tp}}
+    return recommendation
 
 
 def tensor_parallel(spec: ModelSpec, tp: int) -> dict[str, Any]:

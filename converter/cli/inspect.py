@@ -142,8 +142,13 @@ def render_recommendation(rec: dict[str, Any]) -> None:
         return
     proven = "" if rec["proven"] else " (not proven in exactly this environment)"
     click.echo(f"  recommendation: --layout {rec['layout']}{proven} - {rec['why']}")
+    if rec.get("pad_global_at_tp"):
+        at = rec["pad_global_at_tp"]
+        click.echo(f"    at TP {at['tp']} its KV cache costs x{at['kv_cache_ratio_per_rank']:g} per rank")
     if rec["no_conversion_needed_when"]:
         click.echo(f"    no conversion is needed where {rec['no_conversion_needed_when']}: it serves as it is there")
     if rec["alternative"]:
         alt = rec["alternative"]
-        click.echo(f"    --layout {alt['layout']} {alt['when']}")
+        at = f" (at TP {alt['at_tp']['tp']}: KV cache x{alt['at_tp']['kv_cache_ratio_per_rank']:g} per rank)" \
+            if alt.get("at_tp") else ""
+        click.echo(f"    --layout {alt['layout']} {alt['when']}{at}")
