@@ -27,7 +27,6 @@ from converter.write import writer
 def small_blocks(monkeypatch):
     monkeypatch.setattr(writer, "BLOCK_BYTES", 4096)
     monkeypatch.setattr(sequential, "BLOCK_BYTES", 4096)
-    monkeypatch.setattr(sequential, "READ_CHUNK_BYTES", 8192)
 
 
 def _payload(tmp_path: Path, size: int = 50_000, seed: int = 0) -> tuple[Path, bytes]:
@@ -37,17 +36,17 @@ def _payload(tmp_path: Path, size: int = 50_000, seed: int = 0) -> tuple[Path, b
     return path, data
 
 
-def test_reader_returns_exact_ranges_in_order(tmp_path, small_blocks):
+def test_mapped_file_returns_exact_ranges_in_blocks(tmp_path, small_blocks):
     path, data = _payload(tmp_path)
-    reader = sequential.SequentialReader(path)
+    reader = sequential.MappedFile(path)
     offset = 7
     for length in (1, 4095, 4096, 4097, 8193, 0, 12_000, 3):
         offset += 13  # gaps are skipped
         assert bytes(reader.read(offset, length)) == data[offset:offset + length]
+        blocks = [bytes(b) for b in reader.blocks(offset, length)]
+        assert b"".join(blocks) == data[offset:offset + length] and all(len(b) <= 4096 for b in blocks)
         offset += length
-    view = sequential.page_aligned_buffer(5000)
-    reader.fill(offset, view)
-    assert bytes(view) == data[offset:offset + 5000]
+    assert bytes(reader.read(50, 10)) == data[50:60]  # any order: nothing is consumed
     reader.close()
 
 
@@ -88,18 +87,10 @@ def test_read_at_reads_any_range_and_names_a_short_file(tmp_path, small_blocks):
     source.close()
 
 
-def test_reader_range_blocks_and_out_of_order_read(tmp_path, small_blocks):
-    path, data = _payload(tmp_path)
-    reader = sequential.SequentialReader(path)
-    assert b"".join(bytes(b) for b in reader.range_blocks(100, 20_000)) == data[100:20_100]
-    with pytest.raises(RuntimeError, match="not in source order"):
-        reader.read(50, 10)
-
-
-def test_reader_names_a_file_that_ends_early(tmp_path, small_blocks):
+def test_mapped_file_names_a_file_that_ends_early(tmp_path, small_blocks):
     path, data = _payload(tmp_path, size=10_000)
-    with pytest.raises(InputError, match=f"{path.name}: ended 2000 bytes early"):
-        sequential.SequentialReader(path).read(9_000, 3_000)
+    with pytest.raises(InputError, match=f"{path.name}: ends at 10000 bytes, before the tensor at 9000\\+3000"):
+        sequential.MappedFile(path).read(9_000, 3_000)
 
 
 @pytest.mark.parametrize("refuse_direct", [False, True])

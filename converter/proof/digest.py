@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..read.checkpoint import INDEX_NAME, read_checkpoint, read_json
-from ..read.sequential import SequentialReader
+from ..read.sequential import MappedFile
 
 
 def tensor_digests(path: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
@@ -24,11 +24,11 @@ def tensor_digests(path: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
     checkpoint = read_checkpoint(path)
     found: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for shard in checkpoint.shards:
-        reader = SequentialReader(shard.file)
+        reader = MappedFile(shard.file)
         try:
             for ref in sorted(shard.tensors, key=lambda t: t.offset):
                 sha256 = hashlib.sha256()
-                for block in reader.range_blocks(ref.offset, ref.nbytes):
+                for block in reader.blocks(ref.offset, ref.nbytes):
                     sha256.update(block)
                 found[ref.name] = (ref.dtype, tuple(ref.shape), sha256.hexdigest())
         finally:

@@ -1,7 +1,7 @@
 """Reads of source files through the page cache: byte ranges, front-to-back streams, and whole-file sha256s.
 
-`write` reads ranges (SourceFile.read_at) and hashes sources beside it (BackgroundSha256); `verify` and the
-digests compare bytes through SequentialReader.
+`write` reads ranges (SourceFile.read_at) and hashes sources beside it (BackgroundSha256); `verify` compares and the
+ledger's digests hash tensor bytes through MappedFile.
 """
 
 from __future__ import annotations
@@ -26,9 +26,6 @@ def page_aligned_buffer(nbytes: int) -> memoryview:
     than into a page-aligned buffer on the bench machine (docs/BENCHMARKS.md).
     """
     return memoryview(mmap.mmap(-1, nbytes))
-
-
-READ_CHUNK_BYTES = 4 * 1024 * 1024  # one read request
 
 
 class SourceFile:
@@ -149,7 +146,7 @@ class BackgroundSha256:
 class MappedFile:
     """A read-only mapping of one file whose ranges are handed out as memoryviews, a block at a time, with no copy.
 
-    For comparing bytes (verify): pread would copy every byte of both sides once more. Each handed-out block is
+    For comparing and hashing bytes (verify, proof/digest): pread would copy every byte once more. Each handed-out block is
     unmapped again after use (MADV_DONTNEED drops page table entries, not the page cache), so the resident set stays
     a few blocks. As with every mmap reader (safetensors' safe_open too), a file truncated by another process while
     it is compared ends the process with SIGBUS; sizes are checked against the headers first.
@@ -195,72 +192,3 @@ class MappedFile:
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
-
-
-class SequentialReader:
-    """Reads one file front to back once, handing out requested ranges (verify compares bytes through it).
-
-    Requests come in source order (each starts at or after the previous one); the file is read in
-    READ_CHUNK_BYTES chunks (SourceFile) and ranges are copied out of the chunk into the caller's buffer.
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._file = SourceFile(path)
-        self._position = 0  # bytes handed out or skipped
-        self._chunk: memoryview | None = None  # page-aligned, allocated on the first read
-        self._pending = memoryview(b"")  # read, not yet handed out
-
-    def _refill(self) -> None:
-        if self._chunk is None:
-            self._chunk = page_aligned_buffer(READ_CHUNK_BYTES)
-        count = self._file.readinto(self._chunk)
-        if not count:
-            raise EOFError
-        self._pending = self._chunk[:count]
-
-    def _take(self, nbytes: int, into: memoryview | None) -> None:
-        """Hands out (copies into `into`) or skips the next nbytes."""
-        done = 0
-        while done < nbytes:
-            if not self._pending:
-                try:
-                    self._refill()
-                except EOFError:
-                    raise InputError(f"{self.path}: ended {nbytes - done} bytes early "
-                                     "(file changed while converting?)") from None
-            count = min(len(self._pending), nbytes - done)
-            if into is not None:
-                into[done:done + count] = self._pending[:count]
-            self._pending = self._pending[count:]
-            done += count
-        self._position += nbytes
-
-    def _advance_to(self, offset: int) -> None:
-        if offset < self._position:
-            raise RuntimeError(f"{self.path}: read at {offset} after {self._position}; plan is not in source order")
-        self._take(offset - self._position, None)
-
-    def fill(self, offset: int, view: memoryview) -> None:
-        """Reads len(view) bytes at `offset` (at or after the previous read) into `view`."""
-        self._advance_to(offset)
-        self._take(len(view), view)
-
-    def range_blocks(self, offset: int, nbytes: int) -> Iterator[memoryview]:
-        """nbytes at `offset` in blocks of at most BLOCK_BYTES; each block is valid until the next is taken."""
-        self._advance_to(offset)
-        buffer = page_aligned_buffer(min(BLOCK_BYTES, nbytes)) if nbytes else memoryview(b"")
-        for start in range(0, nbytes, BLOCK_BYTES):
-            view = buffer[:min(BLOCK_BYTES, nbytes - start)]
-            self._take(len(view), view)
-            yield view
-
-    def read(self, offset: int, nbytes: int) -> bytearray:
-        data = bytearray(nbytes)
-        self.fill(offset, memoryview(data))
-        return data
-
-    def close(self) -> None:
-        self._pending = memoryview(b"")
-        self._file.close()
-        self._chunk = None
