@@ -69,3 +69,14 @@ def skip_if_unchanged(key: tuple, digest: str, torch: str) -> None:
     if row is not None:
         record(row)
         pytest.skip(f"unchanged since the ledger row measured {row.measured} (same output digest and env)")
+
+
+def skip_if_all_unchanged(rows: list[LedgerRow]) -> None:
+    """Skips the test when GEMMA4_LEDGER_REUSE=1 and the committed ledger (or the resumed rows) hold every one of
+    `rows` for the very same output digest and torch; they are carried into this run's rows as they were measured.
+    An empty `rows` (nothing recorded) never skips."""
+    kept = [unchanged(row.key, row.digest, row.torch) for row in rows]
+    if kept and all(kept):
+        for row in kept:
+            record(row)
+        pytest.skip(f"unchanged since the ledger rows measured {min(row.measured for row in kept)}")

@@ -28,12 +28,12 @@ from converter.advice.compat import CHECK_ENGINE, FAIL, PASS, LedgerRow
 from converter.hub.card import render_card
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import MANIFEST_NAME
-from converter.testing.cases import (ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_TP_SIZES,
-                                    ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL, RELEASES, EnginePair, Release,
-                                    build_engine_case, engine_transformers)
+from converter.testing.cases import (ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
+                                    ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
+                                    RELEASES, EnginePair, Release, build_engine_case, engine_transformers)
 
 from _edits import swap_experts, swap_kv_heads
-from _ledger import record, recording, today, unchanged
+from _ledger import record, recording, skip_if_all_unchanged, today
 from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_env, find_envs
 
 pytestmark = pytest.mark.engine027
@@ -60,8 +60,8 @@ KNOWN_STRICT_MISSES = {("e2b", "pad-global", "float32")}
 # none and pad-global 2 of 240. The all-reduce sums the ranks' partial outputs in another order, and a near-flat
 # random-weight draft turns that rounding into another argmax. The per-rank check (tests/test_tp_ranks.py) sums every
 # rank's attention to within 5e-7 of the unsharded original at TP 2, 4 and 8. So at TP > 1 the strict verdict is
-# recorded as measured, and the test holds tokens and logprobs exact and draft flips at or below TP_DRAFT_FLIPS.
-TP_DRAFT_FLIPS = 0.02
+# recorded as measured, and the test holds tokens and logprobs exact and draft flips at or below
+# ENGINE_TP_DRAFT_FLIPS.
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +137,8 @@ def digests_unless_proven(source_name: str, pair: EnginePair, envs: list[VllmEnv
     source = SOURCES[source_name]
     dirs = {lay: d for lay, (d, _) in pair.converted.items()} | ({ORIGINAL: pair.reference} if original else {})
     digests = {lay: pair_digest(d / "target", d / "assistant") for lay, d in dirs.items()} if recording() else {}
-    kept = [unchanged(_engine_row(source_name, layout, env, dtype, digest, tp=tp).key, digest, env.torch)
-            for layout, digest in digests.items() for env in envs for dtype in source.dtypes]
-    if kept and all(kept):
-        for row in kept:
-            record(row)
-        pytest.skip(f"unchanged since the ledger rows measured {min(r.measured for r in kept)}")
+    skip_if_all_unchanged([_engine_row(source_name, layout, env, dtype, digest, tp=tp)
+                           for layout, digest in digests.items() for env in envs for dtype in source.dtypes])
     return digests
 
 
@@ -248,7 +244,8 @@ def test_tensor_parallel_generates_like_one_rank(engine_envs, built, tmp_path, s
         limit = 10 * verdict["tolerance"] if (source_name, verdict["pair"], verdict["dtype"]) in KNOWN_STRICT_MISSES \
             else verdict["tolerance"]
         assert verdict["max_delta"] <= limit, f"{where}: {verdict}"
-        assert draft_flips(verdict) <= TP_DRAFT_FLIPS, f"{where}: {verdict['draft_mismatch']} draft tokens differ"
+        assert draft_flips(verdict) <= ENGINE_TP_DRAFT_FLIPS, \
+            f"{where}: {verdict['draft_mismatch']} draft tokens differ"
     record_engine_rows(source_name, report, [env], digests)
 
 

@@ -21,7 +21,7 @@ from converter.proof.digest import pair_digest
 from converter.testing.cases import (ORIGINAL, RANK_ENV, RANK_SOURCES, RANK_TP_SIZES, SOURCES, build_loader_case)
 
 from _edits import swap_kv_heads
-from _ledger import record, recording, today, unchanged
+from _ledger import record, recording, skip_if_all_unchanged, today
 from _vllm_envs import VllmEnv, find_env
 
 pytestmark = [pytest.mark.vllm027, pytest.mark.compat]
@@ -66,12 +66,7 @@ def test_every_rank_adds_up_to_the_unsharded_original(tmp_path, source_name):
     built = build_loader_case(source_name, tmp_path / "cases", variants=LAYOUTS)
     variants = (ORIGINAL, *LAYOUTS)
     digests = {v: pair_digest(built[v] / "target", built[v] / "assistant") for v in variants} if recording() else {}
-    kept = [unchanged(_row(source_name, v, env, tp, d).key, d, env.torch) for v, d in digests.items()
-            for tp in RANK_TP_SIZES]
-    if kept and all(kept):
-        for row in kept:
-            record(row)
-        pytest.skip(f"unchanged since the ledger rows measured {min(r.measured for r in kept)}")
+    skip_if_all_unchanged([_row(source_name, v, env, tp, d) for v, d in digests.items() for tp in RANK_TP_SIZES])
     code, report, output = run_tp_check(env, built[ORIGINAL], [built[v] for v in LAYOUTS], RANK_TP_SIZES, tmp_path)
     assert "error" not in report, output[-4000:]
     results = {(r["pair"], r["tp"]): r for r in report["results"]}

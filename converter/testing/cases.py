@@ -335,6 +335,9 @@ RANK_ENV = ("vllm", "0.27.0", "5.14.1")  # the CUDA wheel on CPU (cpu_shim): vll
 # replicated on both ranks at TP 2).
 ENGINE_TP_SOURCES = ("31b-per-layer-config", "e2b")
 ENGINE_TP_SIZES = (2,)
+# at TP > 1 a few draft proposals flip against TP 1, the original's own included (tests/test_engine027.py): the most
+# the engine test accepts and the ledger check names an open finding rather than a surprise
+ENGINE_TP_DRAFT_FLIPS = 0.02
 ENGINE_LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed command is the one served over HTTP
 
 
