@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import InputError
 from ..gemma4 import DIALECT_LEGACY, AttentionConfig, LayerGeometry, ModelSpec
 from ..plan import TensorPlan
-from ..quantization import weight_scheme
+from ..quantization import WeightScheme, weight_scheme
 from .base import AttentionTensor, Layout, explicit_geometry, kept, register_layout, transformed
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -52,7 +52,7 @@ class PadGlobalLayout(Layout):
 
     @staticmethod
     def _check_quantization(spec: ModelSpec, layer: LayerGeometry, module: str, source: str) -> None:
-        name = f"{spec.weight_prefix}layers.{layer.index}.self_attn.{module}"
+        name = _projection_name(spec, layer.index, module)
         scheme = weight_scheme(spec.quantization, name)
         columns = module == "o_proj"
         if scheme is None or scheme.moves_exactly(columns=columns):
@@ -82,8 +82,8 @@ class PadGlobalLayout(Layout):
         if block is not None:
             return self._plan_block_scale(tensor, spec, out_name, block)
         packed = _packed_scheme(tensor, spec)
-        if packed is not None and tensor.param in ("weight_packed", "weight_shape") or \
-                (packed is not None and tensor.module == "o_proj" and tensor.param == "weight_scale"):
+        if packed is not None and (tensor.param in ("weight_packed", "weight_shape")
+                                   or (tensor.module == "o_proj" and tensor.param == "weight_scale")):
             return self._plan_packed(tensor, spec, out_name, packed)
         if layer.head_dim != target:
             ratio = target // layer.head_dim
@@ -129,7 +129,8 @@ class PadGlobalLayout(Layout):
         return kept(tensor, out_name)
 
     @staticmethod
-    def _plan_packed(tensor: AttentionTensor, spec: ModelSpec, out_name: str, scheme: Any) -> TensorPlan:
+    def _plan_packed(tensor: AttentionTensor, spec: ModelSpec, out_name: str,
+                     scheme: WeightScheme) -> TensorPlan:
         """A pack-quantized projection's weight_packed, weight_shape, or o_proj weight_scale (q/k/v scales are
         whole rows and go the per-row way); check() made sure the codes and groups move exactly."""
         a, layer, shape = spec.attention, tensor.layer, tensor.source.shape
@@ -176,25 +177,31 @@ def _changed_modules(layer: LayerGeometry, attention: AttentionConfig) -> tuple[
     return ()
 
 
+def _projection_name(spec: ModelSpec, layer: int, module: str) -> str:
+    """The module name a quantization_config's targets and ignore list match (e.g. ...layers.0.self_attn.q_proj)."""
+    return f"{spec.weight_prefix}layers.{layer}.self_attn.{module}"
+
+
+def _projection_scheme(tensor: AttentionTensor, spec: ModelSpec) -> WeightScheme | None:
+    """The quantization scheme of the projection this tensor belongs to; None for norms and unquantized ones."""
+    if tensor.module not in PROJECTIONS:
+        return None
+    return weight_scheme(spec.quantization, _projection_name(spec, tensor.layer.index, tensor.module))
+
+
 def _scale_block(tensor: AttentionTensor, spec: ModelSpec) -> tuple[int, int] | None:
     """The [rows, columns] block of a `block`-quantized projection's weight_scale; None for anything else."""
-    if tensor.param != "weight_scale" or tensor.module not in PROJECTIONS:
-        return None
-    name = f"{spec.weight_prefix}layers.{tensor.layer.index}.self_attn.{tensor.module}"
-    scheme = weight_scheme(spec.quantization, name)
+    scheme = _projection_scheme(tensor, spec) if tensor.param == "weight_scale" else None
     return scheme.block_structure if scheme and scheme.strategy == "block" else None
 
 
-def _packed_scheme(tensor: AttentionTensor, spec: ModelSpec) -> Any:
+def _packed_scheme(tensor: AttentionTensor, spec: ModelSpec) -> WeightScheme | None:
     """The pack-quantized integer scheme of this projection tensor; None for anything else."""
-    if tensor.module not in PROJECTIONS:
-        return None
-    scheme = weight_scheme(spec.quantization, f"{spec.weight_prefix}layers.{tensor.layer.index}.self_attn."
-                                              f"{tensor.module}")
+    scheme = _projection_scheme(tensor, spec)
     return scheme if scheme is not None and scheme.is_packed_int else None
 
 
-def _packed_problem(scheme: Any, module: str, layer: LayerGeometry) -> str | None:
+def _packed_problem(scheme: WeightScheme, module: str, layer: LayerGeometry) -> str | None:
     """Why packed integer codes of `module` cannot move exactly; None when they can."""
     if not scheme.symmetric:
         return "its codes carry a zero point (asymmetric), which pad-global does not move"
