@@ -105,6 +105,12 @@ class _BlockWriter:
                 self.buffered()  # the rest would no longer be block-aligned
             view, offset = view[count:], offset + count
 
+    def write_tail(self, view: memoryview, offset: int) -> None:
+        """The last, unaligned bytes of the file, buffered (O_DIRECT takes whole blocks only); after close()."""
+        if self.direct:
+            self.buffered()
+        self.write_at(view, offset)
+
     def buffered(self) -> None:
         with self._lock:
             flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
@@ -203,9 +209,7 @@ class _HashingWriter:
         if self.sha256 is not None:
             self.sha256.update(tail)
         if tail:
-            if self._blocks.direct:
-                self._blocks.buffered()
-            self._blocks.write_at(tail, self._offset)
+            self._blocks.write_tail(tail, self._offset)
             self._offset += self._staged
             self._staged = 0
 
@@ -353,8 +357,7 @@ def _write_mapped(mapping: mmap.mmap, fd: int, name: str) -> None:
     finally:
         blocks.close()
     if aligned < len(view):
-        blocks.buffered()
-        blocks.write_at(view[aligned:], aligned)
+        blocks.write_tail(view[aligned:], aligned)
     view.release()
 
 
