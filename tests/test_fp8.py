@@ -37,8 +37,9 @@ def _dequantized(tensors, module):
         return weight.float()
     if scale.dim() == 2 and scale.shape[1] > 1:  # block scales: compressed-tensors' own dequantize
         from compressed_tensors.quantization.lifecycle.forward import dequantize
-        from converter.testing.synthetic import _fp8_block_scheme
-        return dequantize(weight, scale, None, _fp8_block_scheme(BLOCK).weights, dtype=torch.float32)
+        from converter.testing.synthetic import preset_scheme
+        args = preset_scheme("FP8_BLOCK", block_structure=list(BLOCK)).weights
+        return dequantize(weight, scale, None, args, dtype=torch.float32)
     return weight.float() * scale.float()
 
 
@@ -260,8 +261,8 @@ def test_pad_global_is_exact_for_blocks_as_tall_as_a_head_or_taller(tmp_path, ru
                      "--out", out, "--layout", "pad-global")
     assert result.code == 0, result.err
     from compressed_tensors.quantization.lifecycle.forward import dequantize
-    from converter.testing.synthetic import _fp8_block_scheme
-    scheme = _fp8_block_scheme(block).weights
+    from converter.testing.synthetic import preset_scheme
+    scheme = preset_scheme("FP8_BLOCK", block_structure=list(block)).weights
     source, output = load_tensors(tmp_path / "src" / "target"), load_tensors(out / "target")
     for module, heads in (("q_proj", 32), ("k_proj", 16), ("v_proj", 16)):
         name = f"{PREFIX}0.self_attn.{module}"
@@ -279,11 +280,11 @@ def test_128_row_blocks_move_exactly_at_real_head_dims(head_dim):
     codes and scales moved by the pad-global transforms dequantize to the padded original, bit for bit."""
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
     from compressed_tensors.quantization.utils import calculate_qparams
-    from converter.testing.synthetic import _fp8_block_scheme
+    from converter.testing.synthetic import preset_scheme
     from converter.transforms import repeat_rows
 
     heads, hidden = 2, 256
-    scheme = _fp8_block_scheme((128, 128)).weights
+    scheme = preset_scheme("FP8_BLOCK", block_structure=[128, 128]).weights
     weight = torch.randn(heads * head_dim, hidden, generator=torch.Generator().manual_seed(head_dim))
     blocks = weight.reshape(heads * head_dim // 128, 128, hidden // 128, 128).permute(0, 2, 1, 3)
     amax = blocks.abs().amax(dim=(2, 3))

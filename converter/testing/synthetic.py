@@ -396,111 +396,96 @@ def assistant_tensors(p: Preset) -> list[TensorSpec]:
     return specs
 
 
-FP8_MAX = 448.0  # float8_e4m3fn
+DEFAULT_IGNORE = ("lm_head", "re:.*vision_tower.*", "re:.*embed_vision.*")
+W4A16_GROUP = 32  # google/gemma-4-*-it-qat-w4a16-ct: int4 symmetric, group 32, weight-only
 
 
-def _fp8_block_scheme(block: tuple[int, int]):
-    """compressed-tensors' FP8_BLOCK preset (weights [128, 128] blocks, activations 1x128 dynamic groups) with the
-    block scaled to `block` for tiny test widths."""
+def preset_scheme(preset: str, **weights):
+    """compressed-tensors' preset scheme `preset` (llm-compressor's `scheme=` names: FP8_DYNAMIC, FP8_BLOCK, W4A16,
+    W8A16, W8A8, ...) for Linear layers, with the weights fields in `weights` replaced; a block scheme's dynamic
+    activation groups follow the block's columns."""
     from compressed_tensors.quantization import preset_name_to_scheme
-    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
-    return scheme.model_copy(update={
-        "weights": scheme.weights.model_copy(update={"block_structure": list(block)}),
-        "input_activations": scheme.input_activations.model_copy(update={"group_size": block[1]})})
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    update = {"weights": scheme.weights.model_copy(update=weights)}
+    if "block_structure" in weights and scheme.input_activations is not None:
+        update["input_activations"] = scheme.input_activations.model_copy(
+            update={"group_size": weights["block_structure"][1]})
+    return scheme.model_copy(update=update)
 
 
-def fp8_block_config(*, block: tuple[int, int], ignore: tuple[str, ...]) -> dict:
-    """quantization_config exactly as compressed-tensors' ModelCompressor.update_config writes it (needs the
-    compressed-tensors package, a test dependency)."""
+def preset_quantization_config(preset: str, *, ignore: tuple[str, ...] = (), **weights) -> dict:
+    """The quantization_config compressed-tensors' ModelCompressor writes for `preset` (preset_scheme), its format
+    inferred by compressed-tensors itself as llm-compressor does (pack-quantized weight-only ints, int-quantized
+    W8A8, float-quantized fp8); vision, embeddings and lm_head stay bf16 as in the published checkpoints."""
     import compressed_tensors
+    from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationConfig
-    config = QuantizationConfig(config_groups={"group_0": _fp8_block_scheme(block)}, ignore=list(ignore),
-                                format="float-quantized", quantization_status="compressed")
+    scheme = preset_scheme(preset, **weights)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=[*DEFAULT_IGNORE, *ignore],
+                                format=infer_module_format(torch.nn.Linear, scheme).value,
+                                quantization_status="compressed")
     return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "sparsity_config": {},
             "transform_config": {}, **config.model_dump(exclude=["quant_method"])}
-
-
-def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, scale [rows / block rows, columns / block columns]) from compressed-tensors' own
-    calculate_qparams + quantize, one absmax per block."""
-    from compressed_tensors.quantization.lifecycle.forward import quantize
-    from compressed_tensors.quantization.utils import calculate_qparams
-    args = _fp8_block_scheme(block).weights
-    rows, columns = weight.shape
-    if rows % block[0] or columns % block[1]:
-        raise ValueError(f"synthetic fp8 block {list(block)} must tile the weight shape {[rows, columns]}")
-    amax = weight.reshape(rows // block[0], block[0], columns // block[1], block[1]).abs().amax(dim=(1, 3))
-    scale, zero_point = calculate_qparams(-amax, amax, args)
-    return quantize(weight, scale, zero_point, args, dtype=torch.float8_e4m3fn), scale
-
-
-DEFAULT_IGNORE = ("lm_head", "re:.*vision_tower.*", "re:.*embed_vision.*")
 
 
 def fp8_quantization_config(strategy: str = "channel", ignore: tuple[str, ...] = (),
                             block: tuple[int, int] = (128, 128)) -> dict:
-    """A compressed-tensors FP8 quantization_config: "channel"/"tensor" like RedHatAI/gemma-4-31B-it-FP8-dynamic's,
-    "block" like RedHatAI/gemma-4-31B-it-FP8-block's, written by compressed-tensors itself (fp8_block_config)."""
+    """FP8 like RedHatAI's gemma-4-31B-it checkpoints: "channel" (FP8_DYNAMIC, -FP8-dynamic), "tensor" (FP8_DYNAMIC
+    with one weight scale), "block" (FP8_BLOCK, -FP8-block)."""
     if strategy == "block":
-        return fp8_block_config(block=block, ignore=(*DEFAULT_IGNORE, *ignore))
-    return {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"type": "float", "num_bits": 8, "strategy": strategy, "symmetric": True, "dynamic": False,
-                        "group_size": None, "observer": "minmax"},
-            "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "symmetric": True,
-                                  "dynamic": True},
-            "output_activations": None}},
-        "ignore": [*DEFAULT_IGNORE, *ignore],
-        "kv_cache_scheme": None,
-    }
-
-
-def quantize_fp8(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, bf16 scale) as compressed-tensors stores them: scale [out, 1] per channel, [1] per tensor."""
-    values = weight.float()
-    amax = values.abs().amax(dim=1, keepdim=True) if strategy == "channel" else values.abs().amax().reshape(1)
-    scale = (amax / FP8_MAX).clamp(min=1e-12).to(torch.bfloat16)
-    quantized = (values / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return quantized, scale
-
-
-W4A16_GROUP = 32  # google/gemma-4-*-it-qat-w4a16-ct: int4 symmetric, group 32, weight-only
-
-
-def _w4a16_scheme(group: int):
-    """compressed-tensors' W4A16 preset (int4 symmetric weight-only groups) at `group` columns per scale."""
-    from compressed_tensors.quantization import preset_name_to_scheme
-    scheme = preset_name_to_scheme("W4A16", ["Linear"])
-    return scheme.model_copy(update={"weights": scheme.weights.model_copy(update={"group_size": group})})
+        return preset_quantization_config("FP8_BLOCK", ignore=ignore, block_structure=list(block))
+    return preset_quantization_config("FP8_DYNAMIC", ignore=ignore, strategy=strategy)
 
 
 def w4a16_quantization_config(*, group: int = W4A16_GROUP, ignore: tuple[str, ...] = ()) -> dict:
-    """quantization_config of a compressed-tensors `pack-quantized` W4A16 checkpoint, as ModelCompressor writes it
-    (Google's QAT W4A16 checkpoints: int4 symmetric, group 32, weight-only; vision, embeddings, lm_head bf16)."""
-    import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig
-    config = QuantizationConfig(config_groups={"group_0": _w4a16_scheme(group)}, ignore=[*DEFAULT_IGNORE, *ignore],
-                                format="pack-quantized", quantization_status="compressed")
-    return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "sparsity_config": {},
-            "transform_config": {}, **config.model_dump(exclude=["quant_method"])}
+    """Google's QAT W4A16 checkpoints (google/gemma-4-*-it-qat-w4a16-ct): pack-quantized int4 symmetric, group 32,
+    weight-only."""
+    return preset_quantization_config("W4A16", ignore=ignore, group_size=group)
 
 
-def quantize_w4a16(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
-    """`weight_packed` int32 [out, in/8], `weight_scale` [out, in/group], `weight_shape` [2], from compressed-tensors'
-    own calculate_qparams and PackedQuantizationCompressor.compress (one absmax per group of `group` columns)."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+def int8_quantization_config(preset: str, *, ignore: tuple[str, ...] = ()) -> dict:
+    """int8 per output channel: "W8A16" weight-only (pack-quantized, the 26B-A4B QAT checkpoint's scheme) or "W8A8"
+    with dynamic per-token int8 activations (int-quantized, llm-compressor's W8A8 preset)."""
+    return preset_quantization_config(preset, ignore=ignore, strategy="channel", group_size=None)
+
+
+def config_scheme(quantization: dict):
+    """The compressed-tensors QuantizationScheme of a config's one group (the factory writes one)."""
+    from compressed_tensors.quantization import QuantizationScheme
+    return QuantizationScheme.model_validate(quantization["config_groups"]["group_0"])
+
+
+def _absmax(values: torch.Tensor, args) -> torch.Tensor:
+    """One absolute maximum per scale of `args`' strategy: per row, per group of columns, per block, or one."""
+    rows, columns = values.shape
+    if args.strategy == "channel":
+        return values.abs().amax(dim=1, keepdim=True)
+    if args.strategy == "group":
+        if columns % args.group_size:
+            raise ValueError(f"synthetic group {args.group_size} must tile the {columns} input columns")
+        return values.reshape(rows, columns // args.group_size, args.group_size).abs().amax(-1)
+    if args.strategy == "block":
+        block_rows, block_columns = args.block_structure
+        if rows % block_rows or columns % block_columns:
+            raise ValueError(f"synthetic block {args.block_structure} must tile the weight shape {[rows, columns]}")
+        blocks = values.reshape(rows // block_rows, block_rows, columns // block_columns, block_columns)
+        return blocks.abs().amax(dim=(1, 3))
+    if args.strategy == "tensor":
+        return values.abs().amax().reshape(1)
+    raise ValueError(f"the synthetic factory writes no {args.strategy} weight scales")
+
+
+def compress_weight(weight: torch.Tensor, quantization: dict) -> dict[str, torch.Tensor]:
+    """`weight` as compressed-tensors stores it under `quantization`: scales from its calculate_qparams (one absmax
+    per channel, group, block or tensor), codes from the compressor of the config's format (`weight` int8 / fp8, or
+    `weight_packed` int32 + `weight_shape`), `weight_scale` in the weight's dtype."""
+    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization.utils import calculate_qparams
-    scheme = _w4a16_scheme(group)
-    rows, columns = weight.shape
-    if columns % group:
-        raise ValueError(f"synthetic W4A16 group {group} must tile the {columns} input columns")
-    amax = weight.float().reshape(rows, columns // group, group).abs().amax(-1)
+    scheme = config_scheme(quantization)
+    amax = _absmax(weight.float(), scheme.weights)
     scale, _ = calculate_qparams(-amax, amax, scheme.weights)
-    compressed = PackedQuantizationCompressor.compress({"weight": weight, "weight_scale": scale.to(weight.dtype)},
-                                                       scheme)
-    return {name: compressed[name] for name in ("weight_packed", "weight_scale", "weight_shape")}
+    compressor = BaseCompressor.get_value_from_registry(quantization["format"])
+    return compressor.compress({"weight": weight, "weight_scale": scale.to(weight.dtype)}, scheme)
 
 
 NVFP4_GROUP = 16
@@ -584,25 +569,16 @@ def _split_into_shards(specs: list[TensorSpec], num_shards: int, itemsize: int) 
 def _materialize_all(group: list[TensorSpec], dtype: torch.dtype, generator: torch.Generator,
                      quantization: dict | None) -> dict[str, torch.Tensor]:
     tensors = {}
-    strategy = block = None
-    packed = bool(quantization) and quantization.get("format") == "pack-quantized"
-    if quantization and "config_groups" in quantization:
-        weights = quantization["config_groups"]["group_0"]["weights"]
-        strategy, block = weights["strategy"], weights.get("block_structure")
     for spec in group:
         values = _materialize(spec, dtype, generator)
-        if _quantized_module(spec, quantization) and packed:
-            stem = spec.name[:-len("weight")]
-            for name, tensor in quantize_w4a16(values, int(weights["group_size"])).items():
-                tensors[stem + name] = tensor
-        elif _quantized_module(spec, quantization) and quantization.get("quant_method") == "modelopt":
+        if _quantized_module(spec, quantization) and quantization.get("quant_method") == "modelopt":
             for suffix, tensor in quantize_nvfp4(values).items():
                 # `weight`, `weight_scale`, `weight_scale_2`; the activation scale sits beside the weight
                 tensors[spec.name[:-len("weight")] + suffix if suffix == "input_scale" else spec.name + suffix] = tensor
-        elif _quantized_module(spec, quantization) and strategy == "block":
-            tensors[spec.name], tensors[spec.name + "_scale"] = quantize_fp8_block(values, tuple(block))
         elif _quantized_module(spec, quantization):
-            tensors[spec.name], tensors[spec.name + "_scale"] = quantize_fp8(values, strategy)
+            stem = spec.name[:-len("weight")]
+            for name, tensor in compress_weight(values, quantization).items():
+                tensors[stem + name] = tensor
         else:
             tensors[spec.name] = values
     return tensors
