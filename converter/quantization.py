@@ -26,6 +26,7 @@ MODELOPT = "modelopt"
 # Strategies whose scales are per output row or per tensor: padding/replicating rows and zero columns stay exact.
 ROW_EXACT_STRATEGIES = ("channel", "tensor")
 PACK_QUANTIZED = "pack-quantized"
+UNPACKED_INT_FORMATS = ("int-quantized", "naive-quantized")  # one int8 code per element, in `weight` itself
 PACKED_BITS = (4, 8)  # widths pack_to_int32 fits whole into each int32 word (others straddle words)
 
 
@@ -63,11 +64,18 @@ class WeightScheme:
         return (self.method == COMPRESSED_TENSORS and self.format == PACK_QUANTIZED and self.type == "int"
                 and self.num_bits in PACKED_BITS)
 
+    @property
+    def is_unpacked_int8(self) -> bool:
+        """compressed-tensors symmetric int8 codes stored one per element (`int-quantized`, llm-compressor's W8A8):
+        code 0 dequantizes to 0 under any scale, like fp8's zero."""
+        return (self.method == COMPRESSED_TENSORS and self.type == "int" and self.num_bits == 8
+                and self.format in UNPACKED_INT_FORMATS and self.symmetric)
+
     def moves_exactly(self, *, columns: bool) -> bool:
         """Whether padding this weight keeps its dequantized values: rows move with their scale rows (per-channel,
         per-tensor, or groups along the input dim); new zero columns only under per-row or per-tensor scales."""
         allowed = ROW_EXACT_STRATEGIES if columns else (*ROW_EXACT_STRATEGIES, "group")
-        return self.is_fp8 and self.strategy in allowed
+        return (self.is_fp8 or self.is_unpacked_int8) and self.strategy in allowed
 
 
 def check_quantization_config(config: Any, *, source: str) -> None:

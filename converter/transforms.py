@@ -149,6 +149,17 @@ def _pack_codes(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # the same 32 bits, signed
 
 
+def unpack_signed_codes(words: torch.Tensor, columns: int) -> torch.Tensor:
+    """pack-quantized int32 words [rows, n] of a [rows, columns] weight -> its signed codes (int8); the code width
+    is what fits the columns into n words (8 int4 or 4 int8 codes per word), the +2**(bits - 1) offset undone."""
+    per_word = -(-columns // words.shape[-1]) if words.shape[-1] else 0
+    num_bits = 32 // per_word if per_word else 0
+    if words.dtype != torch.int32 or num_bits not in (4, 8) or per_word * num_bits != 32:
+        raise ValueError(f"unpack_signed_codes: {words.dtype} words {tuple(words.shape)} hold no whole 4- or 8-bit "
+                         f"codes of {columns} columns")
+    return (_unpack_codes(words, num_bits)[..., :columns] - (1 << (num_bits - 1))).to(torch.int8)
+
+
 def pad_packed_columns(weight: torch.Tensor, *, num_bits: int, ratio: int) -> torch.Tensor:
     """A pack-quantized o_proj weight: int32 words of num_bits codes [out, in * num_bits / 32] -> the words of
     [out, in * ratio] codes, code c at column c * ratio (as pad_head_columns places W) and the zero code at the

@@ -4,8 +4,9 @@ Sliding layers grow d -> D with the interleaved-per-half duplicate placement; fu
 replicate their global KV heads (FACTS.md section 4). The config becomes homogeneous, so no
 transformers version has a per-layer attribute to reject, and vLLM 0.27 builds every layer alike.
 
-Quantized (compressed-tensors fp8) weights move with their per-row scales, so dequantized values are
-exactly the originals; o_proj's zero columns are exact under any per-row scale; per-tensor scales stay.
+Quantized weights stored one code per element (compressed-tensors fp8, and symmetric int8 `int-quantized`, W8A8)
+move with their per-row scales, so dequantized values are exactly the originals; o_proj's zero columns (code 0) are
+exact under any per-row scale; per-tensor scales stay.
 fp8 `block` scales move too where every output block's rows (columns) come from one source block: padding
 repeats source row j at rows j*r .. j*r + r - 1, so each scale row is repeated r times whenever the blocks tile
 the projection's rows (head_dim 128 or 256 with 128-row blocks alike), each o_proj scale column r times (zeros
@@ -68,8 +69,9 @@ class PadGlobalLayout(Layout):
         elif scheme.is_fp8 and scheme.strategy in ("group", "block", "tensor_group"):
             why = "its scale groups would straddle original and padding " + ("columns" if columns else "rows")
         else:
-            why = ("pad-global moves fp8 weights with per-channel, per-tensor or tiling block scales, and symmetric "
-                   "4- or 8-bit pack-quantized codes, exactly")
+            why = ("pad-global moves fp8 weights with per-channel, per-tensor or tiling block scales, symmetric int8 "
+                   "codes with per-channel or per-tensor scales, and symmetric 4- or 8-bit pack-quantized codes, "
+                   "exactly")
         raise InputError(f"{source}: {name} is quantized as {scheme.describe()}; {why}. Refusing to requantize: "
                          "convert the bf16 checkpoint, or use --layout per-layer")
 

@@ -20,7 +20,7 @@ from ..plan import SourceSlice
 from ..read.checkpoint import Checkpoint
 from ..read.safetensors_header import TensorRef
 from ..read.tensor_reader import read_range
-from ..transforms import decode, pad_head_rows, replicate_kv_heads, torch_dtype
+from ..transforms import decode, pad_head_rows, replicate_kv_heads, torch_dtype, unpack_signed_codes
 from .checks import LayerCheck
 from .reference import (AttentionOutput, LayerSpec, assistant_forward, assistant_spec_from_config, attention_block,
                         compare_outputs, rms_norm, text_spec_from_config)
@@ -42,31 +42,22 @@ def _load(piece: SourceSlice, device: torch.device) -> torch.Tensor:
 
 
 def dequantize(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp8 `X.weight` x `X.weight_scale` (per row [out, 1], per tensor, or per [rows, columns] block) -> fp32
-    `X.weight`; activation scales (`input_scale`) are dropped: the check compares the weights' math, not vLLM's
-    activation quantization."""
+    """Quantized `X.weight` (fp8 or int8) or `X.weight_packed` (int4 / int8 codes) x `X.weight_scale` (per row
+    [out, 1], per group, per tensor, or per [rows, columns] block) -> fp32 `X.weight`; activation scales
+    (`input_scale`) are dropped: the check compares the weights' math, not vLLM's activation quantization."""
     result = {}
     for name, tensor in weights.items():
         if name.endswith((".weight_scale", ".input_scale", ".weight_shape")):
             continue
-        if name.endswith(".weight_packed"):  # compressed-tensors pack-quantized int4 (W4A16)
+        if name.endswith(".weight_packed"):  # compressed-tensors pack-quantized (W4A16, int8 weight-only)
             stem = name[:-len("_packed")]
             shape = torch.Size(int(v) for v in weights[stem + "_shape"].tolist())
-            codes = unpack_int4(tensor, shape)
+            codes = unpack_signed_codes(tensor, shape[1])
             result[stem] = codes.float() * expand_scale(weights[stem + "_scale"], shape)
             continue
         scale = weights.get(name + "_scale")
         result[name] = tensor.float() * expand_scale(scale, tensor.shape) if scale is not None else tensor
     return result
-
-
-def unpack_int4(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """compressed-tensors `pack_to_int32` undone for 4 bits: value i of a row sits at bits 4*(i % 8) of int32 word
-    i // 8, stored with the +8 offset of its unsigned range; returns the signed codes [rows, columns]."""
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int64)
-    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF
-    return (nibbles.reshape(packed.shape[0], -1)[:, :shape[1]] - 8).to(torch.int8)
 
 
 def expand_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
