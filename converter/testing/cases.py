@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .synthetic import (PRESETS, Preset, fp8_quantization_config, modelopt_nvfp4_config, tiny_preset,
-                        w4a16_quantization_config, write_engine_pair, write_pair)
+from .synthetic import (PRESETS, Preset, fp8_quantization_config, int8_quantization_config, modelopt_nvfp4_config,
+                        tiny_preset, w4a16_quantization_config, write_engine_pair, write_pair)
 
 ORIGINAL = "original"
 LAYOUTS = ("per-layer", "pad-global")
@@ -46,6 +46,7 @@ class Source:
     width_divisor: int = 16  # tiny_preset widths (8: multiples of 32, what vLLM's CPU int4 kernel needs)
     layouts: tuple[str, ...] = LAYOUTS  # the layouts that convert it (the others refuse it by name)
     real_heads: bool = False  # the preset's real head_dim / global_head_dim (256 / 512) instead of the tiny ones
+    int8: str | None = None  # compressed-tensors int8 per channel: "W8A16" (weight-only) or "W8A8" (llm-compressor)
 
     @property
     def preset_shape(self) -> Preset:
@@ -62,18 +63,22 @@ class Source:
             return modelopt_nvfp4_config()
         if self.w4a16:
             return w4a16_quantization_config()
+        if self.int8:
+            return int8_quantization_config(self.int8)
         return fp8_quantization_config(self.fp8, block=FP8_BLOCK) if self.fp8 else None
 
     @property
     def kernel_refused(self) -> bool:
-        """vLLM 0.27 selects no CPU GEMM kernel for these linear layers: the check stands in for it."""
-        return self.nvfp4 or self.fp8 == "block"
+        """vLLM 0.27 selects no CPU GEMM kernel for these linear layers: the check stands in for it (int8
+        weight-only: CPUWNA16 takes int4 only)."""
+        return self.nvfp4 or self.fp8 == "block" or self.int8 == "W8A16"
 
     @property
     def loaders_only(self) -> bool:
         """The tensors are compared as the weight loaders left them (scripts/vllm027/loader_only.py): where no CPU
-        kernel exists (a stand-in takes its place), and for int4, whose CPU kernel repacks the weights after."""
-        return self.kernel_refused or self.w4a16
+        kernel exists (a stand-in takes its place), for int4, whose CPU kernel repacks the weights after, and for
+        W8A8, whose CPU kernel's oneDNN ops the CUDA wheel lacks."""
+        return self.kernel_refused or self.w4a16 or self.int8 is not None
 
     @property
     def checker_args(self) -> tuple[str, ...]:
@@ -92,6 +97,8 @@ class Source:
             parts.append("nvfp4")
         if self.w4a16:
             parts.append("w4a16 int4 group 32")
+        if self.int8:
+            parts.append(f"{self.int8.lower()} int8 per channel")
         if self.real_heads:
             parts.append("real head sizes")
         if self.unified:
@@ -129,6 +136,11 @@ SOURCES = {
     # codes and scales exactly (layouts/pad_global.py) and vLLM's stock loaders read both layouts
     "31b-w4a16-real-heads": Source("31b", "legacy", multimodal=False, num_shards=2, w4a16=True, width_divisor=8,
                                    real_heads=True),
+    # int8 per output channel, weight-only (pack-quantized, 4 codes per int32): the 26B-A4B QAT checkpoint's scheme,
+    # on 31B's attention geometry (k_eq_v full layers without v_proj); vLLM's CPU backend has no int8 WNA16 kernel
+    "31b-w8a16": Source("31b", "legacy", multimodal=False, num_shards=2, int8="W8A16", width_divisor=8),
+    # llm-compressor's W8A8 preset: int8 per channel + dynamic per-token int8 activations (int-quantized)
+    "31b-w8a8": Source("31b", "legacy", multimodal=False, num_shards=2, int8="W8A8", width_divisor=8),
 }
 
 # Negative control: a pad-global target beside the ORIGINAL assistant loads and every tensor matches, but the

@@ -14,8 +14,12 @@ Where vLLM 0.27.0 refuses on a CPU (read from its code, site-packages/vllm):
   picks its kernel in its constructor, ``init_nvfp4_linear_kernel`` (``kernels/linear/__init__.py``), from
   ``_POSSIBLE_NVFP4_KERNELS``, which has no CPU entry at all (CUDA and ROCm only): "Failed to find a kernel that can
   implement the NVFP4 linear layer". create_weights itself needs no kernel.
+- compressed-tensors int8 weight-only (``CompressedTensorsWNA16.create_weights``, ``compressed_tensors_wNa16.py``):
+  ``choose_mp_linear_kernel`` returns the kernel CLASS; on CPU every candidate refuses ``uint8b128``
+  (``CPUWNA16LinearKernel`` takes uint4 / uint4b8 only), "Failed to find a kernel that can implement the WNA16
+  linear layer". The parameters are registered after the choice, by the same create_weights.
 
-So the kernel choice, not the loaders, is what a CPU lacks. :func:`install` wraps exactly those two selection
+So the kernel choice, not the loaders, is what a CPU lacks. :func:`install` wraps exactly those three selection
 functions where the schemes look them up: the stock selection runs first; only when it raises ValueError is a
 :class:`LoaderOnlyKernel` returned, and the refusal (function, message) is recorded. The stand-in declares no
 input quant key, does nothing after loading and raises on use. The loader's ``process_weights_after_loading`` is
@@ -32,11 +36,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# (module that looks the selection function up, its name there)
+# (module that looks the selection function up, its name there, whether it returns the kernel's class)
 _SELECTION_SITES = (
     ("vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8",
-     "init_fp8_linear_kernel"),
-    ("vllm.model_executor.layers.quantization.modelopt", "init_nvfp4_linear_kernel"),
+     "init_fp8_linear_kernel", False),
+    ("vllm.model_executor.layers.quantization.modelopt", "init_nvfp4_linear_kernel", False),
+    ("vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16",
+     "choose_mp_linear_kernel", True),
 )
 _LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
 
@@ -70,14 +76,23 @@ class Recorder:
         return [{"selection": fn, "reason": reason, "layers": n} for (fn, reason), n in self.refusals.items()]
 
 
-def _selection_with_stand_in(real: Callable[..., Any], name: str, rec: Recorder) -> Callable[..., Any]:
+def _stand_in_class(refused_by: str, reason: str) -> type:
+    """LoaderOnlyKernel as a class for a selection that returns one (the scheme constructs it with its config)."""
+    class LoaderOnlyKernelType(LoaderOnlyKernel):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(refused_by, reason)
+    return LoaderOnlyKernelType
+
+
+def _selection_with_stand_in(real: Callable[..., Any], name: str, rec: Recorder, *,
+                             returns_class: bool) -> Callable[..., Any]:
     def select(*args: Any, **kwargs: Any) -> Any:
         try:
             return real(*args, **kwargs)
         except ValueError as exc:  # the documented "no kernel can implement" refusal; anything else propagates
             reason = " ".join(str(exc).split())
             rec.refusals[(name, reason)] = rec.refusals.get((name, reason), 0) + 1
-            return LoaderOnlyKernel(name, reason)
+            return _stand_in_class(name, reason) if returns_class else LoaderOnlyKernel(name, reason)
     return select
 
 
@@ -101,9 +116,10 @@ def install(snapshot: Callable[[Any], dict[str, Any]]) -> Recorder:
         return rec
     rec = Recorder()
     _INSTALLED.append(rec)
-    for module_name, fn_name in _SELECTION_SITES:
+    for module_name, fn_name, returns_class in _SELECTION_SITES:
         module = importlib.import_module(module_name)
-        setattr(module, fn_name, _selection_with_stand_in(getattr(module, fn_name), fn_name, rec))
+        setattr(module, fn_name, _selection_with_stand_in(getattr(module, fn_name), fn_name, rec,
+                                                          returns_class=returns_class))
     loader = importlib.import_module(_LOADER_MODULE)
     real_process = loader.process_weights_after_loading
 
