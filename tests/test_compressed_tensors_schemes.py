@@ -78,6 +78,7 @@ def test_per_layer_keeps_every_byte(scheme_pair, tmp_path, run_cli):
     result = run_cli("convert", "--target", root / "target", "--assistant", root / "assistant", "--out", out,
                      "--layout", "per-layer")
     assert result.code == 0, result.err
+    assert_serve_line_reads_the_quantization_from_the_config(result.out, out)
     for part in ("target", "assistant"):
         source, output = load_tensors(root / part), load_tensors(out / part)
         assert set(source) == set(output)
@@ -88,6 +89,19 @@ def test_per_layer_keeps_every_byte(scheme_pair, tmp_path, run_cli):
                        "--device", "cpu")
     assert verified.code == 0, verified.err
     assert json.loads((out / "verification.json").read_text())["passed"] is True
+
+
+def assert_serve_line_reads_the_quantization_from_the_config(printed: str, out) -> None:
+    """vLLM reads the scheme from config.json: the `vllm serve` line convert prints and the card upload writes carry
+    no --quantization flag (one would force a method onto the bf16 assistant too)."""
+    from converter.hub.card import render_card
+    from converter.read.checkpoint import MANIFEST_NAME
+    line = next(line for line in printed.splitlines() if "vllm serve" in line)
+    manifest = json.loads((out / "target" / MANIFEST_NAME).read_text())
+    card = render_card(manifest=manifest, verification=None, repo_id="me/t", target_repo="me/t",
+                       assistant_repo="me/a", base_model=None)
+    assert "--speculative-config" in line and "vllm serve me/t --speculative-config" in card
+    assert "--quantization" not in line and "--quantization" not in card
 
 
 def test_pad_global_moves_codes_and_scales_exactly(scheme_pair, tmp_path, run_cli):
