@@ -284,8 +284,10 @@ def _recommend_for(env: ServingEnv, shape: Shape, document: dict[str, Any], pad_
             verdict, ev = measured(after, env) if proven_only else _across_transformers(after, env)
             if verdict.outcome != "loads":
                 continue
-            why = (f"with {env.label()}{patch} the checkpoint {now.outcome}" + (f" ({now.error})" if now.error else "")
-                   + f": {now.detail}; " + _LAYOUT_WHY[layout] + f" ({verdict.detail})")
+            as_it_is = "fails" if now.outcome == "fails" else "is not proven"
+            why = (f"with {env.label()}{patch} the checkpoint as it is {as_it_is}"
+                   + (f" ({now.error})" if now.error else "") + f": {now.detail}; "
+                   + _LAYOUT_WHY[layout] + f" ({verdict.detail})")
             return {**document, "layout": layout, "why": why, "proven": proven_only,
                     "alternative": None if layout == "pad-global" else {**pad_global, "when": _pad_global_when(
                         _releases_where(after)[1])}}
