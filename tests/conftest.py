@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from converter.cli import main
@@ -101,6 +102,12 @@ def load_tensors(directory: Path) -> dict:
             for name in handle.keys():
                 tensors[name] = handle.get_tensor(name)
     return tensors
+
+
+def same_bytes(a, b) -> bool:
+    """The same dtype, shape and bytes (fp8 and packed codes included, -0.0 and NaN payloads told apart)."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.contiguous().view(torch.uint8).equal(
+        b.contiguous().view(torch.uint8))
 
 
 def read_config(directory: Path) -> dict:

@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import load_tensors, read_config
+from conftest import load_tensors, read_config, same_bytes
 from converter.proof.numerics import dequantize
 from converter.testing.synthetic import (config_scheme, fp8_quantization_config, int8_quantization_config,
                                          tiny_preset, w4a16_quantization_config, write_pair)
@@ -83,7 +83,7 @@ def test_per_layer_keeps_every_byte(scheme_pair, tmp_path, run_cli):
         source, output = load_tensors(root / part), load_tensors(out / part)
         assert set(source) == set(output)
         for key, tensor in source.items():
-            assert output[key].dtype == tensor.dtype and output[key].view(torch.uint8).equal(tensor.view(torch.uint8)), key
+            assert same_bytes(output[key], tensor), key
     assert read_config(out / "target")["quantization_config"] == read_config(root / "target")["quantization_config"]
     verified = run_cli("verify", "--target", root / "target", "--assistant", root / "assistant", "--converted", out,
                        "--device", "cpu")
@@ -130,8 +130,7 @@ def test_pad_global_moves_codes_and_scales_exactly(scheme_pair, tmp_path, run_cl
     want = replicate_kv_heads(_theirs(source, stem, config), num_heads=kv_full, head_dim=big, repeats=kv // kv_full)
     assert _theirs(output, stem, config).equal(want), name
     full_o = f"model.layers.{FULL}.self_attn.o_proj"  # a full layer's o_proj needs no padding: byte-identical
-    assert all(output[full_o + "." + p].view(torch.uint8).equal(t.view(torch.uint8))
-               for p, t in _parts(source, full_o).items())
+    assert all(same_bytes(output[full_o + "." + p], t) for p, t in _parts(source, full_o).items())
     o_proj = _theirs(output, f"model.layers.{SLIDING}.self_attn.o_proj", config)
     assert not o_proj.reshape(o_proj.shape[0], -1, 2)[..., 1].any()  # every padding column dequantizes to 0
     assert read_config(out / "target")["quantization_config"] == config

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import load_tensors, read_config
+from conftest import load_tensors, read_config, same_bytes
 from converter.testing.synthetic import fp8_quantization_config, tiny_preset, write_pair
 from converter.transforms import pad_head_columns, pad_head_rows, replicate_kv_heads
 
@@ -90,9 +90,7 @@ def test_per_layer_keeps_fp8_untouched(fp8_pair, tmp_path, run_cli):
     assert read_config(out)["quantization_config"] == read_config(src / "target")["quantization_config"]
     source, output = load_tensors(src / "target"), load_tensors(out)
     assert source.keys() == output.keys()
-    assert all(torch.equal(output[k].view(torch.uint8) if output[k].dtype == torch.float8_e4m3fn else output[k],
-                           source[k].view(torch.uint8) if source[k].dtype == torch.float8_e4m3fn else source[k])
-               for k in source)
+    assert all(same_bytes(output[k], source[k]) for k in source)
 
 
 def test_inspect_reports_the_scheme_per_layer(fp8_pair, run_cli):
@@ -215,7 +213,7 @@ def test_fused_qkv_block_scales_split_exactly(fused_block_pair, tmp_path, run_cl
             piece = {"weight": fused["weight"][start:stop],
                      "weight_scale": fused["weight_scale"][start // BLOCK[0]:stop // BLOCK[0]]}
             if layout == "per-layer":  # the bytes of the fused rows and of their scale rows, nothing else
-                assert torch.equal(output[name + ".weight"].view(torch.uint8), piece["weight"].view(torch.uint8))
+                assert same_bytes(output[name + ".weight"], piece["weight"])
                 assert torch.equal(output[name + ".weight_scale"], piece["weight_scale"]), name
             elif layer < 5:  # sliding rows padded 16 -> 32 per head, dequantized values kept
                 heads = (stop - start) // 16
