@@ -18,13 +18,15 @@ from converter.testing.cases import RELEASE_SOURCES, RELEASES, SOURCES, build_lo
 NO_CONVERSION = "none"
 
 
-def measured_layout(case: str, vllm: str) -> str | None:
+def measured_layout(case: str, vllm: str, *, variants: tuple[str, ...] = ("original", "per-layer", "pad-global")
+                    ) -> str | None:
+    """The first of `variants` whose every loader row of `case` on `vllm` passed ("none" for the original)."""
     rows = [r for r in load_ledger() if r.check == CHECK_LOADER and r.case == case and r.vllm == vllm and r.tp == 1
             and not r.options]
-    for layout, answer in (("original", NO_CONVERSION), ("per-layer", "per-layer"), ("pad-global", "pad-global")):
+    for layout in variants:
         mine = [r for r in rows if r.layout == layout]
         if mine and all(r.verdict == PASS for r in mine):
-            return answer
+            return NO_CONVERSION if layout == "original" else layout
     return None
 
 
@@ -45,6 +47,24 @@ def test_inspect_recommends_what_the_ledger_measured_for_the_release(originals, 
     assert (rec["layout"], rec["proven"]) == (expected, True), rec["why"]
     assert rec["environment"]["tested"] is True and rec["environment"]["outcome"]["detail"].startswith("measured:")
     assert rec["no_conversion_needed"] == (expected == NO_CONVERSION)
+
+
+@pytest.mark.parametrize("case", RELEASE_SOURCES)
+@pytest.mark.parametrize("release", RELEASES, ids=[r.vllm for r in RELEASES])
+def test_convert_without_layout_writes_what_the_ledger_measured_for_the_release(originals, run_cli, tmp_path,
+                                                                               release, case):
+    """No --layout: the first layout the release's rows prove, said in one line; a source that already serves
+    there is said to, and still converted."""
+    expected = measured_layout(case, release.vllm, variants=("per-layer", "pad-global"))
+    source = originals[case]
+    result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
+                     "--out", tmp_path / "out", "--serving", f"vllm=={release.vllm}", "--dry-run")
+    assert result.code == 0, result.err
+    chosen = [line for line in result.out.splitlines() if line.startswith("chosen: --layout ")]
+    assert len(chosen) == 1 and chosen[0].startswith(f"chosen: --layout {expected}: "), result.out
+    assert f"layout {expected}: " in result.out  # the plan is made with it
+    serves = measured_layout(case, release.vllm) == NO_CONVERSION
+    assert (f"the source already serves as it is with vLLM {release.vllm}" in result.out) == serves
 
 
 def test_a_patch_release_the_ledger_lacks_is_answered_by_its_proven_minor(originals, run_cli):

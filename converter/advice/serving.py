@@ -11,7 +11,7 @@ import functools
 import json
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -340,3 +340,76 @@ def _pad_global_when(per_layer_fails: list[str]) -> str:
     vllm, _ = tested_releases()
     return (f"only where per-layer cannot serve: none measured among vLLM {', '.join(vllm)}; a newer transformers "
             "could change the undocumented behaviour per-layer's dual keys rest on (check with inspect --serving)")
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout `convert` writes when none is given, and the one line that says why."""
+
+    layout: str
+    why: str
+    serves_as_is: str | None = None  # the ledger says the source already serves in this environment: why
+
+
+LAYOUT_DEFAULT = "per-layer"
+
+
+def choose_layout(spec: ModelSpec, *, fused: bool, env: ServingEnv | None) -> LayoutChoice:
+    """What `convert` writes without --layout: the ledger's choice for `env`, else the zero-cost per-layer.
+
+    Args:
+        spec: the target's (or, converted alone, the assistant's) spec: the geometry the ledger matches.
+        fused: it stores fused self_attn.qkv_proj tensors.
+        env: the declared or read serving environment (--serving / --serving-python), or None.
+    """
+    shape = shape_of(spec, fused=fused)
+    if env is None:  # convert's serving notes say where the source already serves (recommend without env)
+        return LayoutChoice(LAYOUT_DEFAULT, "per-layer: the zero-cost default (same tensors and KV cache, config keys "
+                            "only); --serving vllm==X or --serving-python PY lets the compatibility ledger choose for "
+                            "your vLLM")
+    rec = recommend(spec, fused=fused, env=env, kv_ratio=None)
+    if rec["layout"] == NO_CONVERSION:
+        layout = next((name for name, after in _layout_shapes(shape) if measured(after, env)[0].outcome == "loads"),
+                      LAYOUT_DEFAULT)
+        as_is = _rows_for(shape, env)
+        return replace(_explain(layout, shape, env), serves_as_is=f"the source already serves as it is with "
+                       f"{env.label()} (measured: {_count(as_is.rows)} pass)")
+    if rec["layout"] is None:
+        return LayoutChoice(LAYOUT_DEFAULT, f"per-layer: the zero-cost default; no layout of this tool is proven with "
+                            f"{env.label()} (check the output there: make vllm-check)")
+    choice = _explain(rec["layout"], shape, env)
+    return choice if rec["proven"] else replace(
+        choice, why=f"{choice.why}; not measured with {env.label()} itself, with its release's other transformers")
+
+
+def _layout_shapes(shape: Shape) -> tuple[tuple[str, Shape], ...]:
+    """Each layout with the shape its output has, in the order of preference (zero cost first)."""
+    return (("per-layer", Shape(FORM_DUAL_KEYS, shape.kv_heads)), ("pad-global", Shape(FORM_HOMOGENEOUS, KV_UNIFORM)))
+
+
+def _explain(layout: str, shape: Shape, env: ServingEnv) -> LayoutChoice:
+    """"pad-global: vLLM 0.22.1 ... (measured: 6 rows)"; pad-global says why per-layer does not serve there."""
+    shapes = dict(_layout_shapes(shape))
+    found = _rows_for(shapes[layout], env)
+    if layout == "per-layer":
+        return LayoutChoice(layout, f"per-layer: serves with {env.label()} at zero cost, same tensors and KV cache "
+                            f"(measured: {_count(found.rows)} pass)")
+    per_layer, per_layer_found = measured(shapes["per-layer"], env)
+    if per_layer.outcome == "fails":
+        rule = predict(FORM_DUAL_KEYS, env, mixed_kv_heads=shape.kv_heads == KV_MIXED)
+        cause = (rule.detail if rule.outcome == "fails" else per_layer.detail).split(": ")[0]
+        reason = (f"per-layer does not serve with {env.label()}: {cause} (measured: "
+                  f"{len(per_layer_found.failing)} of {_count(per_layer_found.rows)} fail)")
+    else:
+        reason = f"per-layer is not proven with {env.label()}"
+    return LayoutChoice(layout, f"pad-global: {reason}; pad-global serves there (measured: {_count(found.rows)} pass)")
+
+
+def _rows_for(shape: Shape, env: ServingEnv) -> Evidence:
+    """The rows measured in env, else those of env's release under its other transformers."""
+    found = measured(shape, env)[1]
+    return found if found.proven else _across_transformers(shape, env)[1]
+
+
+def _count(rows: tuple) -> str:
+    return f"{len(rows)} row{'s' if len(rows) != 1 else ''}"

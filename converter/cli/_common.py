@@ -8,7 +8,9 @@ from typing import Any
 
 import click
 
+from ..advice.serving import ServingEnv, parse_serving, read_serving_env
 from ..cost import KvCost, human_bytes
+from ..errors import UsageError
 from ..hub.download import LocalSource, Purpose, make_api, parse_repo_ref, resolve_source
 
 PATH = click.Path(path_type=Path, file_okay=True, dir_okay=True)
@@ -41,6 +43,32 @@ class SourceType(click.ParamType):
 
 SOURCE = SourceType("full")  # config, weights and side files
 SOURCE_HEADERS = SourceType("headers")  # config and shard headers only: inspect, check-pair
+
+
+def serving_options(command: Any) -> Any:
+    """--serving-python / --serving, as inspect and convert both take them (serving_env turns them into one)."""
+    command = click.option(
+        "--serving", "serving_spec", default=None, metavar="vllm==X[,transformers==Y]",
+        help="Declare the serving environment without having it installed (convert on one machine, serve on "
+             "another): the answer is what the compatibility ledger measured for that vLLM release (and "
+             "transformers; without it, every transformers the release was measured with).")(command)
+    return click.option(
+        "--serving-python", type=PATH, default=None, metavar="PYTHON",
+        help="The python of the environment vLLM serves from: its vLLM and transformers versions are read "
+             "(nothing is imported) and the answer is for exactly that environment.")(command)
+
+
+def serving_env(serving_python: Path | None, serving_spec: str | None) -> ServingEnv | None:
+    """The environment --serving-python or --serving names, or None.
+
+    Raises:
+        UsageError: both given; a spec of another form; a python without vllm or transformers.
+    """
+    if serving_python is not None and serving_spec is not None:
+        raise UsageError("give --serving-python or --serving, not both")
+    if serving_python is not None:
+        return read_serving_env(serving_python)
+    return parse_serving(serving_spec) if serving_spec is not None else None
 
 
 def echo_json(document: Any) -> None:

@@ -7,17 +7,19 @@ from pathlib import Path
 
 import click
 
-from ..advice.serving import recommend
+from ..advice.serving import ServingEnv, choose_layout, recommend
 from ..cost import human_bytes
 from ..errors import UsageError
-from ..hub.download import LocalSource, Purpose, open_checkpoint
+from ..gemma4 import ROLE_TARGET
+from ..hub.download import LocalSource, Purpose, open_checkpoint, parse_repo_ref, published_assistant
 from ..layouts import get_layout, layout_names
+from ..layouts.base import find_attention_tensors
 from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertRequest, ConvertResult, execute, plan_conversion,
                         serve_command)
 from ..plan import parse_size
 from ..write.lock import output_lock
 from ..write.writer import LINK_MEANING, LINK_MODES
-from ._common import PATH, kv_cost_lines, resolve_cli_source
+from ._common import PATH, hub_api, kv_cost_lines, resolve_cli_source, serving_env, serving_options
 
 
 def _size(ctx, param, value):
@@ -34,11 +36,14 @@ def _size(ctx, param, value):
 @click.option("--target", metavar="PATH|REPO[@REV]", help="Gemma 4 target checkpoint directory or Hub repo OWNER/NAME[@REV] "
               "(written to OUT/target).")
 @click.option("--assistant", metavar="PATH|REPO[@REV]", help="MTP assistant checkpoint directory or Hub repo OWNER/NAME[@REV] "
-              "(written to OUT/assistant).")
+              "(written to OUT/assistant). A Hub target without it gets OWNER/NAME-assistant.")
+@click.option("--target-only", is_flag=True, help="Convert a Hub target alone: do not look for its assistant.")
 @click.option("--out", "out", type=PATH, required=True, help="Output directory (must not exist unless --force).")
-@click.option("--layout", type=click.Choice(layout_names()), required=True,
+@click.option("--layout", type=click.Choice(layout_names()), default=None,
               help="per-layer: tensors and KV cache unchanged, config keys only (any transformers 5.x). "
-                   "pad-global: homogeneous geometry by exact padding (costs KV cache and weights).")
+                   "pad-global: homogeneous geometry by exact padding (costs KV cache and weights). "
+                   "Default: the compatibility ledger's choice for --serving / --serving-python, else per-layer.")
+@serving_options
 @click.option("--flat-keys-only", is_flag=True,
               help="per-layer only: write the bare flat keys without the dual keys (serves with transformers<5.15 "
                    "only; the default serves with any transformers 5.x).")
@@ -57,26 +62,34 @@ def _size(ctx, param, value):
 @click.option("--max-shard-size", callback=_size, default=None, metavar="SIZE",
               help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
 @click.pass_context
-def command(ctx: click.Context, src: str | None, target: str | None, assistant: str | None, out: Path, layout: str,
+def command(ctx: click.Context, src: str | None, target: str | None, assistant: str | None, target_only: bool,
+            out: Path, layout: str | None, serving_python: Path | None, serving_spec: str | None,
             flat_keys_only: bool, force: bool, link: str, hashed: bool, dry_run: bool,
             max_shard_size: int | None, tp: int | None) -> None:
-    """Convert a target and/or assistant (or one checkpoint SRC) into OUT with the chosen layout.
+    """Convert a target and its assistant (or one checkpoint SRC) into OUT.
 
     \b
-    SRC, --target and --assistant are directories or Hub repo ids OWNER/NAME[@REVISION]. Hub weights are
-    downloaded only once the plan is made and OUT is locked; --dry-run reads their headers only.
+    SRC, --target and --assistant are directories or Hub repo ids OWNER/NAME[@REVISION]. A Hub target given
+    alone brings its assistant OWNER/NAME-assistant. Hub weights are downloaded only once the plan is made and
+    OUT is locked; --dry-run reads their headers only. Options, JSON files and exit codes: docs/CLI.md.
     Examples:
-      gemma4-convert convert --target T --assistant A --out DST --layout pad-global
-      gemma4-convert convert SRC --out DST --layout per-layer
+      gemma4-convert convert google/gemma-4-31B-it --out DST
+      gemma4-convert convert --target T --assistant A --out DST --serving vllm==0.22.1
     """
-    if flat_keys_only and layout != "per-layer":
+    if flat_keys_only and layout not in (None, "per-layer"):
         raise UsageError("--flat-keys-only applies to --layout per-layer only")
+    if target_only and assistant:
+        raise UsageError("give --assistant or --target-only, not both")
+    env = serving_env(serving_python, serving_spec)
     texts = {role: text for role, text in (("single", src), ("target", target), ("assistant", assistant)) if text}
     sources = _resolve(ctx, texts, purpose="headers")
+    if not target_only:
+        texts, sources = _with_published_assistant(ctx, texts, sources)
+    layout = _decide_layout(sources, layout="per-layer" if flat_keys_only and layout is None else layout, env=env)
     options = dict(out=out, layout=layout, layout_options={"keys": "flat"} if flat_keys_only else {}, force=force,
                    max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp)
     plan = plan_conversion(_request(sources, **options))
-    _print_plan(plan, dry_run=dry_run)
+    _print_plan(plan, dry_run=dry_run, env=env)
     if link in LINK_MEANING:
         click.echo(f"NOTE: --link {link}: {LINK_MEANING[link]}", err=True)
     if dry_run:
@@ -94,10 +107,42 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
     click.echo(f"wrote {out} ({human_bytes(plan.output_bytes)} of tensors{_made_summary(result)})")
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
-    click.echo("serve it with stock vLLM 0.27:")
+    click.echo(f"serve it with stock {env.label() if env else 'vLLM 0.27'}:")
     if flat_keys_only:
         click.echo("  (--flat-keys-only needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
     click.echo(f"  {serve_command(plan)}")
+
+
+def _with_published_assistant(ctx: click.Context, texts: dict[str, str], sources: dict[str, LocalSource]
+                              ) -> tuple[dict[str, str], dict[str, LocalSource]]:
+    """A Hub target given without --assistant becomes a pair with OWNER/NAME-assistant (said in one line); local
+    directories and an assistant given alone are left as they are."""
+    role = "single" if "single" in texts else "target"
+    ref = parse_repo_ref(texts.get(role, ""))
+    if ref is None or "assistant" in texts or open_checkpoint(sources[role]).spec.role != ROLE_TARGET:
+        return texts, sources
+    repo_id, found = published_assistant(ref, api=hub_api(ctx))
+    click.echo(f"assistant: {repo_id} (published beside {ref.repo_id}; --assistant names another, --target-only "
+               "converts the target alone)")
+    rest = {k: v for k, v in texts.items() if k != role}
+    return ({**rest, "target": texts[role], "assistant": repo_id},
+            {**{k: v for k, v in sources.items() if k != role}, "target": sources[role], "assistant": found})
+
+
+def _decide_layout(sources: dict[str, LocalSource], *, layout: str | None, env: ServingEnv | None) -> str:
+    """--layout when given, else the ledger's choice for the serving environment (one line says which and why);
+    with both, a note where the ledger would choose otherwise."""
+    role = next(r for r in ("target", "single", "assistant") if r in sources)
+    checkpoint = open_checkpoint(sources[role])
+    fused = any(t.from_fused for t in find_attention_tensors(checkpoint))
+    choice = choose_layout(checkpoint.spec, fused=fused, env=env)
+    if layout is None:
+        click.echo(f"chosen: --layout {choice.why}")
+    elif env is not None and choice.layout != layout:
+        click.echo(f"note: for {env.label()} the ledger chooses {choice.why}")
+    if choice.serves_as_is:
+        click.echo(f"note: {choice.serves_as_is}; converting anyway")
+    return layout or choice.layout
 
 
 def _made_summary(result: ConvertResult) -> str:
@@ -122,7 +167,7 @@ def _request(sources: dict[str, LocalSource], **options) -> ConvertRequest:
                           opened={s.path: open_checkpoint(s) for s in sources.values() if s.remote_shards is not None})
 
 
-def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
+def _print_plan(plan: ConversionPlan, *, dry_run: bool, env: ServingEnv | None) -> None:
     layout = get_layout(plan.request.layout, plan.request.layout_options)
     click.echo(f"layout {layout.name}: {layout.description}")
     for item in plan.items:
@@ -149,7 +194,7 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
             click.echo("  " + line)
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
-    for note in serving_notes(plan):
+    for note in serving_notes(plan) if env is None else ():  # with env, _decide_layout said it for that env
         click.echo(f"note: {note}")
 
 

@@ -8,23 +8,17 @@ from typing import Any
 import click
 
 from ..advice.report import inspect_checkpoint, summarize_layers
-from ..advice.serving import NO_CONVERSION, parse_serving, read_serving_env
+from ..advice.serving import NO_CONVERSION
 from ..cost import KvCost, human_bytes
-from ..errors import InputError, UsageError
+from ..errors import InputError
 from ..hub.download import LocalSource, open_checkpoint
-from ._common import PATH, SOURCE_HEADERS, echo_json, kv_cost_lines
+from ._common import SOURCE_HEADERS, echo_json, kv_cost_lines, serving_env, serving_options
 
 
 @click.command("inspect")
 @click.argument("src", type=SOURCE_HEADERS)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (keys documented in README.md).")
-@click.option("--serving-python", type=PATH, default=None, metavar="PYTHON",
-              help="The python of the environment vLLM serves from: its vLLM and transformers versions are read "
-                   "(nothing is imported) and the prediction and recommendation are for exactly that environment.")
-@click.option("--serving", "serving_spec", default=None, metavar="vllm==X[,transformers==Y]",
-              help="Declare the serving environment without having it installed (convert on one machine, serve on "
-                   "another): the answer is what the compatibility ledger measured for that vLLM release (and "
-                   "transformers; without it, every transformers the release was measured with).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (keys: docs/CLI.md).")
+@serving_options
 @click.option("--tp", type=click.IntRange(min=1), default=None, metavar="N",
               help="The tensor-parallel size you serve with: what each rank holds per layer type as is and after "
                    "pad-global, pad-global's KV price at that size, and a size vLLM refuses for this geometry "
@@ -36,11 +30,7 @@ def command(src: LocalSource, as_json: bool, serving_python: Path | None, servin
     SRC is a directory or a Hub repo id OWNER/NAME[@REVISION]; for a repo only config and headers are fetched.
     Exits 3 when it reports a problem (config against tensors, dtypes; a broken index or header stops it).
     """
-    if serving_python is not None and serving_spec is not None:
-        raise UsageError("give --serving-python or --serving, not both")
-    serving = read_serving_env(serving_python) if serving_python is not None else \
-        parse_serving(serving_spec) if serving_spec is not None else None
-    report = inspect_checkpoint(open_checkpoint(src), serving=serving, tp=tp)
+    report = inspect_checkpoint(open_checkpoint(src), serving=serving_env(serving_python, serving_spec), tp=tp)
     if as_json:
         echo_json(report)
     else:

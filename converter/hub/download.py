@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import __version__
 from ..errors import HubError, InputError
-from ..gemma4 import read_spec
+from ..gemma4 import ROLE_ASSISTANT, read_spec
 from ..read.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
                                VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
 from ..read.safetensors_header import ShardHeader, shard_from_entries
@@ -255,3 +255,29 @@ def open_checkpoint(source: LocalSource) -> Checkpoint:
     return Checkpoint(path=source.path, config=config, spec=spec, shards=source.remote_shards,
                       indexed=source.remote_indexed, side_files=side_files,
                       manifest=read_json(manifest_path) if manifest_path.exists() else None)
+
+
+ASSISTANT_SUFFIX = "-assistant"  # how Google names the MTP assistant published beside a target
+
+
+def published_assistant(target: RepoRef, *, api: Any = None) -> tuple[str, LocalSource]:
+    """The assistant published beside a Hub target, `OWNER/NAME` -> `OWNER/NAME-assistant` at its default branch:
+    its config and small files fetched, its shard headers read; no weight is downloaded.
+
+    Returns:
+        (repo id, LocalSource with purpose "headers").
+
+    Raises:
+        HubError: no such repo (or not reachable, or not cached offline), or it is not a gemma4_assistant; the
+            message names --assistant and --target-only.
+    """
+    repo_id = target.repo_id + ASSISTANT_SUFFIX
+    remedy = "give --assistant OWNER/NAME (or a directory), or --target-only to convert the target alone"
+    try:
+        source = resolve_source(repo_id, purpose="headers", api=api)
+        spec = open_checkpoint(source).spec
+    except (HubError, InputError) as exc:
+        raise HubError(f"no assistant found for {target.text}: {exc}; {remedy}") from exc
+    if spec.role != ROLE_ASSISTANT:
+        raise HubError(f"{repo_id} is a {spec.kind}, not a gemma4_assistant; {remedy}")
+    return repo_id, source

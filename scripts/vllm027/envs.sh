@@ -59,10 +59,20 @@ fail_step() {
   fail "to build $name at step '$step' (exit $rc): ${last:-no output}; full log: $log"
 }
 
+# The newest transformers 5.x whose own requirements the index can satisfy: a release can reach the index before
+# a requirement does (transformers 5.25.0 requires kernels>=0.19.1 while the index serves kernels 0.17.2, seen
+# 2026-12-02), so each candidate, newest first, is resolved with a dry run. main asks once per invocation.
+NEWEST_TRANSFORMERS=""
 newest_transformers() {
-  "$BASE_PY" -m pip index versions transformers 2>/dev/null \
-    | sed -n 's/^Available versions: //p' | tr ',' '\n' | tr -d ' ' \
-    | grep -E '^5\.[0-9]+\.[0-9]+$' | head -n 1 || true
+  local v
+  for v in $("$BASE_PY" -m pip index versions transformers 2>/dev/null \
+      | sed -n 's/^Available versions: //p' | tr ',' '\n' | tr -d ' ' \
+      | grep -E '^5\.[0-9]+\.[0-9]+$' | head -n 4 || true); do
+    if "$BASE_PY" -m pip install --dry-run --quiet --ignore-installed "transformers==$v" >/dev/null 2>&1; then
+      echo "$v"; return
+    fi
+    say "transformers $v is on the index but its requirements are not: 'newest' is an older release"
+  done
 }
 
 # Newest transformers of an already built env of this package+version, when the index cannot be asked.
@@ -78,7 +88,7 @@ newest_cached() {
 resolve_transformers() {
   local v="$1" prefix="$2" found
   if [ "$v" != "newest" ]; then echo "$v"; return; fi
-  found="$(newest_transformers)"
+  found="$NEWEST_TRANSFORMERS"
   if [ -z "$found" ]; then
     found="$(newest_cached "$prefix")"
     [ -n "$found" ] || fail "to resolve 'newest' for $prefix: 'pip index versions transformers' listed no 5.x release and no env is cached"
@@ -274,6 +284,7 @@ main() {
   exec 9>"$ROOT/.envs.lock"
   flock 9  # one builder at a time per cache
   local spec
+  case " $* " in *:newest\ *) NEWEST_TRANSFORMERS="$(newest_transformers)" ;; esac
   for spec in "$@"; do
     ensure_env "$spec"
   done
