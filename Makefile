@@ -71,7 +71,7 @@ demo:
 	$(PY) scripts/make_synthetic.py --preset 31b --tiny --num-shards 2 --out $(DEMO)/source
 	$(VENV)/bin/gemma4-convert inspect $(DEMO)/source/target
 	$(VENV)/bin/gemma4-convert convert --target $(DEMO)/source/target --assistant $(DEMO)/source/assistant \
-		--out $(DEMO)/per-layer --layout per-layer
+		--out $(DEMO)/per-layer
 	$(VENV)/bin/gemma4-convert convert --target $(DEMO)/source/target --assistant $(DEMO)/source/assistant \
 		--out $(DEMO)/pad-global --layout pad-global
 	$(VENV)/bin/gemma4-convert check-pair $(DEMO)/pad-global/target $(DEMO)/pad-global/assistant

