@@ -19,7 +19,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx2
 import pytest
 import yaml
 from huggingface_hub import ResolvedRevision, constants
@@ -36,12 +35,15 @@ from converter.cli import _common
 from converter.errors import HubError, InputError, UsageError
 from converter.hub.card import BASE_MODEL_RELATION, render_card
 from converter.hub.download import open_checkpoint, parse_repo_ref, resolve_source
-from converter.hub.errors import describe_hub_error
+from converter.hub.errors import describe_hub_error, hub_http_client
 from converter.pairing import serve_line
 from converter.pipeline import ConvertRequest, execute, plan_conversion, serve_command
 from converter.read.checkpoint import INDEX_NAME, MANIFEST_NAME, VERIFICATION_NAME, read_checkpoint
 from converter.testing.synthetic import tiny_preset, write_pair
 
+from _hub_cache import cache_repo
+
+httpx = hub_http_client()  # httpx on huggingface_hub 1.x, httpx2 on 2.x
 SHA_MAIN = hashlib.sha1(b"main").hexdigest()
 SHA_V2 = hashlib.sha1(b"v2").hexdigest()
 TARGET_REPO, ASSISTANT_REPO = "acme/gemma-4-tiny", "acme/gemma-4-tiny-assistant"
@@ -82,26 +84,6 @@ def sources(tmp_path_factory) -> Path:
         (root / role / "README.md").write_text("---\nlicense: apache-2.0\npipeline_tag: text-generation\n"
                                                "extra_gated_prompt: not carried\n---\n# Upstream card\n")
     return root
-
-
-def cache_repo(cache: Path, repo_id: str, sha: str, directory: Path, *, refs: tuple[str, ...] = ("main",),
-               skip: tuple[str, ...] = ()) -> Path:
-    """Lays `directory`'s files out the way huggingface_hub caches them: blobs, snapshots/<sha> symlinks, refs."""
-    root = cache / ("models--" + repo_id.replace("/", "--"))
-    for file in sorted(directory.iterdir()):
-        if not file.is_file() or file.name in skip:
-            continue
-        data = file.read_bytes()
-        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = root / "snapshots" / sha / file.name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(os.path.relpath(blob, link.parent), link)
-    for ref in refs:
-        (root / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
-        (root / "refs" / ref).write_text(sha)
-    return root / "snapshots" / sha
 
 
 def use_api(monkeypatch, api: Any) -> None:
@@ -218,8 +200,8 @@ class ExplodingApi:
 
 
 def http_error(cls: type[HfHubHTTPError], status: int) -> HfHubHTTPError:
-    request = httpx2.Request("POST", "https://huggingface.co/api/repos/create")
-    return cls(f"{status} Client Error\nmore server text", response=httpx2.Response(status, request=request))
+    request = httpx.Request("POST", "https://huggingface.co/api/repos/create")
+    return cls(f"{status} Client Error\nmore server text", response=httpx.Response(status, request=request))
 
 
 def verification_doc(*, passed: bool = True) -> dict[str, Any]:
@@ -522,7 +504,7 @@ def test_a_locked_dst_is_refused_before_any_weight_is_downloaded(sources, tmp_pa
      "the transfer failed in hf_xet (RuntimeError: Task error: File reconstruction error"),
     (XetAuthenticationError("token refresh failed"), "hf_xet storage refused the credentials (token refresh failed)"),
     (http_error(HfHubHTTPError, 503), "the Hub failed (503); rerun later"),
-    (httpx2.ReadTimeout("slow"), "cannot reach the Hub at"),
+    (httpx.ReadTimeout("slow"), "cannot reach the Hub at"),
 ])
 def test_a_failed_shard_download_exits_5_naming_the_file(sources, tmp_path, monkeypatch, run_cli, exc, cause):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -553,8 +535,8 @@ def test_a_failed_shard_download_exits_5_naming_the_file(sources, tmp_path, monk
     (LocalEntryNotFoundError("x"), HubError, "not in the Hub cache"),
     (IncompleteSnapshotError("x", snapshot_path="/s"), HubError, "cached snapshot is incomplete"),
     (OfflineModeIsEnabled("x"), HubError, "HF_HUB_OFFLINE=1 but this needs the Hub"),
-    (httpx2.ConnectError("refused"), HubError, "cannot reach the Hub"),
-    (httpx2.ReadTimeout("slow"), HubError, "cannot reach the Hub"),
+    (httpx.ConnectError("refused"), HubError, "cannot reach the Hub"),
+    (httpx.ReadTimeout("slow"), HubError, "cannot reach the Hub"),
     (ConnectionResetError("reset"), HubError, "cannot reach the Hub"),
     (NotASafetensorsRepoError("'acme/m' is not a safetensors repo."), InputError, "not a safetensors repo"),
     (HFValidationError("Repo id must be ..."), UsageError, "not a valid Hub repo id"),
@@ -722,7 +704,7 @@ UPLOADING = "error: me/t: uploading "
     ("whoami", http_error(HfHubHTTPError, 401), "error: me/t: the Hub refused the token (401)", ""),
     ("create_repo", http_error(HfHubHTTPError, 403), "error: me/t: no permission (403)", ""),
     ("upload_folder", http_error(HfHubHTTPError, 429), UPLOADING, "files): rate-limited by the Hub (429); wait"),
-    ("upload_folder", httpx2.ConnectError("no route"), UPLOADING, "files): cannot reach the Hub at"),
+    ("upload_folder", httpx.ConnectError("no route"), UPLOADING, "files): cannot reach the Hub at"),
     # hf_xet's own exception types (the real classes from the installed hf_xet) and its plain RuntimeError
     ("upload_folder", XetAuthenticationError("token expired"), UPLOADING,
      "files): hf_xet storage refused the credentials (token expired)"),

@@ -12,6 +12,7 @@ synthetic pair run from there, with no transformers installed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -23,6 +24,7 @@ from converter.advice.compat import (CHECK_INSTALL, FAIL, INSTALL_CASE, INSTALL_
                                      load_ledger)
 from converter.testing.cases import env_specs
 
+from _hub_cache import cache_repo
 from _ledger import record, skip_if_unchanged, today
 from _vllm_envs import VllmEnv, find_env
 from _wheel import requirements_digest, runtime_requirements
@@ -130,35 +132,70 @@ def test_a_changed_package_is_caught(wheel, tmp_path):
     assert [c for c in changed if c.startswith("click 8.0.4 -> ")], changed
 
 
-def test_the_wheel_runs_from_a_fresh_venv(wheel, tmp_path):
-    """inspect, compat and convert from the installed wheel (not this checkout), with no transformers."""
-    from converter.testing.synthetic import tiny_preset, write_pair
+HUB_FLOOR = "1.31.0"  # pyproject.toml's huggingface_hub floor: the fresh venv runs it (the suite runs the pinned 2.x)
 
-    venv = tmp_path / "venv"
+
+@pytest.fixture(scope="module")
+def fresh_venv(wheel, tmp_path_factory) -> Path:
+    """A new venv holding torch 2.13.0 (the local CPU wheel), the wheel, and huggingface_hub at the floor."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, "torch==2.13.0"], check=True, timeout=900, capture_output=True)  # the local CPU wheel
-    subprocess.run([*pip, str(wheel)], check=True, timeout=900, capture_output=True)
-    assert "transformers" not in installed_versions(venv / "bin" / "python")
+    subprocess.run([*pip, "torch==2.13.0"], check=True, timeout=900, capture_output=True)
+    subprocess.run([*pip, str(wheel), f"huggingface_hub=={HUB_FLOOR}"], check=True, timeout=900, capture_output=True)
+    return venv
+
+
+def run_tool(venv: Path, *args: str | Path, cwd: Path, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess:
+    """`gemma4-convert ARGS` from the venv; cwd outside the checkout, so `converter` comes from site-packages."""
+    return subprocess.run([str(venv / "bin" / "gemma4-convert"), *map(str, args)], capture_output=True, text=True,
+                          timeout=600, cwd=cwd, env=env)
+
+
+def test_the_wheel_runs_from_a_fresh_venv(fresh_venv, tmp_path):
+    """inspect, compat, convert and check-pair from the installed wheel (not this checkout), no transformers."""
+    from converter.testing.synthetic import tiny_preset, write_pair
+
+    installed = installed_versions(fresh_venv / "bin" / "python")
+    assert "transformers" not in installed and installed["huggingface-hub"] == HUB_FLOOR
     source = tmp_path / "source"
     write_pair(source, preset=tiny_preset("31b"), num_shards=2)
-    tool = str(venv / "bin" / "gemma4-convert")
-
-    def run(*args: str | Path) -> subprocess.CompletedProcess:
-        # cwd: tmp, so `converter` can only come from the venv's site-packages
-        return subprocess.run([tool, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-
-    inspected = run("inspect", source / "target", "--json")
+    inspected = run_tool(fresh_venv, "inspect", source / "target", "--json", cwd=tmp_path)
     assert inspected.returncode == 0, inspected.stderr
     assert json.loads(inspected.stdout)["recommendation"]["layout"] in ("per-layer", "none")
-    compat = run("compat", "--json")
+    compat = run_tool(fresh_venv, "compat", "--json", cwd=tmp_path)
     assert compat.returncode == 0 and len(json.loads(compat.stdout)) == len(load_ledger())
     out = tmp_path / "out"
-    converted = run("convert", "--target", source / "target", "--assistant", source / "assistant", "--out", out)
+    converted = run_tool(fresh_venv, "convert", "--target", source / "target", "--assistant", source / "assistant",
+                         "--out", out, cwd=tmp_path)
     assert converted.returncode == 0, converted.stderr
     assert "chosen: --layout per-layer: " in converted.stdout and "vllm serve " in converted.stdout
-    checked = run("check-pair", out / "target", out / "assistant")
+    checked = run_tool(fresh_venv, "check-pair", out / "target", out / "assistant", cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import converter; print(converter.__file__)"],
+    where = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import converter; print(converter.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout
-    assert str(venv) in where and str(REPO) not in where
+    assert str(fresh_venv) in where and str(REPO) not in where
+
+
+def test_hub_sources_and_hub_errors_work_at_the_huggingface_hub_floor(fresh_venv, tmp_path):
+    """huggingface_hub 1.x (what vLLM 0.27-0.32 envs carry): a Hub target and its published assistant read from a
+    real cache offline; without the assistant cached, one line and exit 5 (an error path, not a crash)."""
+    from converter.testing.synthetic import tiny_preset, write_pair
+
+    source = tmp_path / "source"
+    write_pair(source, preset=tiny_preset("31b"), num_shards=2)
+    cache = tmp_path / "hf" / "hub"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(cache))
+    cache_repo(cache, "acme/gemma-4-tiny", "a" * 40, source / "target")
+    missing = run_tool(fresh_venv, "convert", "acme/gemma-4-tiny", "--out", tmp_path / "none", cwd=tmp_path, env=env)
+    assert missing.returncode == 5, missing.stderr
+    assert "--assistant" in missing.stderr and "--target-only" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1 and "Traceback" not in missing.stderr
+    cache_repo(cache, "acme/gemma-4-tiny-assistant", "b" * 40, source / "assistant")
+    out = tmp_path / "out"
+    converted = run_tool(fresh_venv, "convert", "acme/gemma-4-tiny", "--out", out, cwd=tmp_path, env=env)
+    assert converted.returncode == 0, converted.stderr
+    assert "assistant: acme/gemma-4-tiny-assistant" in converted.stdout
+    manifest = json.loads((out / "assistant" / "conversion.json").read_text())
+    assert manifest["source"]["repo_id"] == "acme/gemma-4-tiny-assistant" and manifest["source"]["revision"] == "b" * 40

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "huggingface_hub", "httpx2", "safetensors", "transformers")
+HEAVY = ("torch", "huggingface_hub", "httpx", "httpx2", "safetensors", "transformers")
 PROBE = """
 import json, sys
 from converter.cli import main

@@ -29,8 +29,8 @@ from .errors import hub_errors, transfer_errors
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
-# huggingface_hub and httpx2 (~0.5 s to import) are imported where the Hub is used, so that `inspect`, `check-pair`,
-# `--help` on a local path start in a fraction of a second (scripts/bench.py, startup rows).
+# huggingface_hub and its HTTP client (httpx on 1.x, httpx2 on 2.x; ~0.5 s to import) are imported where the Hub is
+# used, so that `inspect`, `check-pair`, `--help` on a local path start in a fraction of a second (scripts/bench.py).
 
 Purpose = Literal["headers", "full"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..errors import ConverterError, HubError, InputError, OutputError, UsageError
 
@@ -23,7 +23,7 @@ def describe_hub_error(exc: BaseException, *, subject: str) -> ConverterError | 
     Order matters: GatedRepoError is a RepositoryNotFoundError, which is an HfHubHTTPError; IncompleteSnapshotError
     is a LocalEntryNotFoundError; OfflineModeIsEnabled is a ConnectionError.
     """
-    import httpx2
+    httpx = hub_http_client()
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         DisabledRepoError,
@@ -66,7 +66,7 @@ def describe_hub_error(exc: BaseException, *, subject: str) -> ConverterError | 
                         f"Hub is not reachable ({_offline_reason()}); rerun with network access")
     if isinstance(exc, OfflineModeIsEnabled):
         return HubError(f"{subject}: HF_HUB_OFFLINE=1 but this needs the Hub; unset HF_HUB_OFFLINE")
-    if isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError)):
+    if isinstance(exc, (httpx.TransportError, ConnectionError, TimeoutError)):
         return HubError(f"{subject}: cannot reach the Hub at {constants.ENDPOINT} ({type(exc).__name__}); "
                         f"check the network and rerun (completed transfers are kept)")
     if isinstance(exc, (NotASafetensorsRepoError, SafetensorsParsingError)):
@@ -103,15 +103,24 @@ def _repo_of(subject: str) -> str:
     return subject.split(":", 1)[0].split("@", 1)[0]
 
 
+def hub_http_client() -> Any:
+    """The HTTP client module huggingface_hub raises from: httpx on 1.x, httpx2 on 2.x."""
+    try:
+        from huggingface_hub.utils import httpx  # the alias: huggingface_hub >= 1.32 (httpx2 on 2.x)
+    except ImportError:  # huggingface_hub 1.26-1.31: always httpx
+        import httpx
+    return httpx
+
+
 def _hub_failures() -> tuple[type[BaseException], ...]:
     """What hub_errors turns into ConverterErrors (an except clause evaluates this only when something is raised)."""
-    import httpx2
+    httpx = hub_http_client()
     from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
                                         LocalTokenNotFoundError, NotASafetensorsRepoError, RevisionResolutionError,
                                         SafetensorsParsingError)
 
     return (HfHubHTTPError, LocalTokenNotFoundError, RevisionResolutionError, LocalEntryNotFoundError,
-            httpx2.TransportError, ConnectionError, TimeoutError, NotASafetensorsRepoError,
+            httpx.TransportError, ConnectionError, TimeoutError, NotASafetensorsRepoError,
             SafetensorsParsingError, HFValidationError)
 
 
