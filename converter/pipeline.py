@@ -108,6 +108,8 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
         _refuse_reconversion(checkpoint)
         if role != "single" and checkpoint.spec.role != role:
             raise UsageError(f"--{role} {checkpoint.path} is a {checkpoint.spec.kind}")
+    for checkpoint in checkpoints.values():
+        layout.admit(checkpoint)  # validate -> pair -> plan: inspect's first problem is convert's refusal
     pair = None
     if ROLE_TARGET in checkpoints and ROLE_ASSISTANT in checkpoints:
         pair = check_pair(checkpoints[ROLE_TARGET].spec, checkpoints[ROLE_ASSISTANT].spec)

@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "converter"
 STAGES: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("", "errors", "gemma4", "quantization"),),
     (("read",),),
+    (("validate",),),  # every "is this checkpoint what its config says" check: after read, before plan
     (("plan", "transforms", "layouts", "pairing", "cost", "parallel"),),
     (("write",),),
     (("pipeline",),),

@@ -1,4 +1,4 @@
-"""Malformed quantized inputs are refused before anything is written (converter/read/quantized.py).
+"""Malformed quantized inputs are refused before anything is written (converter/validate/quantized_weights.py).
 
 The valid inputs come from the real producers (compressed-tensors' own PackedQuantizationCompressor for W4A16, its
 FP8 config classes; converter/testing/cases.py); each test breaks ONE thing the way a hand-edited or half-converted

@@ -14,10 +14,11 @@ from ..parallel import kv_bytes_per_token_per_rank, layer_type_geometry, tp_prob
 from ..errors import InputError
 from ..gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
 from ..layouts import get_layout, layout_names
-from ..layouts.base import (AttentionTensor, attention_problems, expected_shape, find_attention_tensors,
-                            layout_from_manifest, scheme_problems)
+from ..layouts.base import layout_from_manifest
 from ..quantization import weight_scheme
 from ..read.checkpoint import Checkpoint
+from ..validate import (AttentionTensor, attention_problems, checkpoint_problems, expected_shape,
+                        find_attention_tensors)
 from .pitfalls import serving_pitfalls
 from .serving import KV_MIXED, VLLM_027_OLD, ServingEnv, measured, predict, recommend, shape_of, vllm_027_new
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
@@ -40,8 +41,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
     attention_tensors = list(find_attention_tensors(checkpoint))
     contradictions = attention_problems(attention_tensors, spec, source=str(checkpoint.path))
     parallel = None if tp is None else tensor_parallel(spec, tp)
-    problems = ([p.message for p in contradictions] + _dtype_problems(checkpoint, attention_tensors)
-                + scheme_problems(checkpoint, attention_tensors) + (parallel["problems"] if parallel else []))
+    problems = checkpoint_problems(checkpoint, attention_tensors) + (parallel["problems"] if parallel else [])
     recognized = _recognized_layout(checkpoint)
     return {
         "report_version": REPORT_VERSION,
@@ -200,20 +200,6 @@ def _moe(checkpoint: Checkpoint) -> dict[str, Any] | None:
     return {"num_experts": spec.moe.num_experts, "top_k_experts": spec.moe.top_k,
             "moe_intermediate_size": spec.moe.intermediate_size, "layers_with_experts": len(forms),
             "storage": "+".join(storage) or "missing"}
-
-
-def _dtype_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
-    """Attention weights of an unquantized checkpoint in more than one dtype (vLLM casts all to the model dtype)."""
-    if checkpoint.spec.quantization:
-        return []  # fp8 weights beside bf16 norms and scales are the scheme, not a fault
-    dtypes = Counter(t.source.ref.dtype for t in tensors)
-    if len(dtypes) < 2:
-        return []
-    rare = min(dtypes, key=lambda d: dtypes[d])
-    example = next(t.source.ref.name for t in tensors if t.source.ref.dtype == rare)
-    counts = ", ".join(f"{d} x{n}" for d, n in dtypes.most_common())
-    return [f"{checkpoint.path}: attention tensors mix dtypes ({counts}; e.g. {example} is {rare}); vLLM 0.27 "
-            f"casts each to the model dtype on load (param.data.copy_), so they do not keep their precision"]
 
 
 def _recognized_layout(checkpoint: Checkpoint) -> str | None:

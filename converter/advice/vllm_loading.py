@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..gemma4 import ROLE_TARGET, ModelSpec
-from ..layouts.base import AttentionProblem
+from ..validate.attention import AttentionProblem
 
 RAISES, WRONG = "raises", "loads wrong"
 

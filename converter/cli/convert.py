@@ -13,7 +13,7 @@ from ..errors import UsageError
 from ..gemma4 import ROLE_TARGET
 from ..hub.download import LocalSource, Purpose, open_checkpoint, parse_repo_ref, published_assistant
 from ..layouts import get_layout, layout_names
-from ..layouts.base import find_attention_tensors
+from ..validate.attention import has_fused_qkv
 from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertRequest, ConvertResult, execute, plan_conversion,
                         serve_command)
 from ..plan import parse_size
@@ -132,10 +132,11 @@ def _with_published_assistant(ctx: click.Context, texts: dict[str, str], sources
 def _decide_layout(sources: dict[str, LocalSource], *, layout: str | None, env: ServingEnv | None) -> str:
     """--layout when given, else the ledger's choice for the serving environment (one line says which and why);
     with both, a note where the ledger would choose otherwise."""
+    if layout is not None and env is None:
+        return layout
     role = next(r for r in ("target", "single", "assistant") if r in sources)
     checkpoint = open_checkpoint(sources[role])
-    fused = any(t.from_fused for t in find_attention_tensors(checkpoint))
-    choice = choose_layout(checkpoint.spec, fused=fused, env=env)
+    choice = choose_layout(checkpoint.spec, fused=has_fused_qkv(checkpoint), env=env)
     if layout is None:
         click.echo(f"chosen: --layout {choice.why}")
     elif env is not None and choice.layout != layout:

@@ -1,19 +1,18 @@
-"""The shared half of every layout: find and check attention tensors, rewrite config keys, plan shards."""
+"""What a layout is: the plug-in registry and interface, and the planning every layout shares (config keys, shards).
+
+Whether a checkpoint is what its config says is validate/'s question: `Layout.plan` asks it once, before planning."""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Mapping
 
-from ..errors import InputError, UnsupportedLayoutError, UsageError
-from ..gemma4 import (GEOMETRY_KEYS, AttentionConfig, LayerGeometry, ModelSpec, attention_tensor_name,
-                      parse_attention_name, parse_moe_name, without_dual_keys)
+from ..errors import UnsupportedLayoutError, UsageError
+from ..gemma4 import GEOMETRY_KEYS, AttentionConfig, ModelSpec, attention_tensor_name, without_dual_keys
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
-from ..quantization import MODELOPT, WeightScheme, weight_scheme
 from ..read.checkpoint import Checkpoint
-from ..read.quantized import quantized_weight_problems
-from ..read.safetensors_header import TensorRef
+from ..validate import refuse_invalid, refuse_invalid_config
+from ..validate.attention import AttentionTensor, find_attention_tensors
 
 _REGISTRY: dict[str, type["Layout"]] = {}
 
@@ -57,17 +56,6 @@ def layout_from_manifest(manifest: Mapping[str, Any]) -> "Layout":
     return get_layout(name, options if isinstance(options, Mapping) else None)
 
 
-@dataclass(frozen=True)
-class AttentionTensor:
-    """One q/k/v/o/norm tensor of a text decoder layer, with the geometry it must have."""
-
-    layer: LayerGeometry
-    module: str
-    param: str
-    source: SourceSlice
-    from_fused: bool
-
-
 class Layout:
     """Base class: subclasses set `description` and override the two hooks below."""
 
@@ -104,12 +92,23 @@ class Layout:
         raise NotImplementedError
 
     # -- shared ------------------------------------------------------------------------------------
+    def admit(self, checkpoint: Checkpoint) -> None:
+        """Refuses a checkpoint this layout cannot convert, before anything is planned (convert, verify).
+
+        Raises:
+            InputError: in this order: what the config declares that cannot be converted, what this layout cannot
+                take (its `check`), the first problem of the tensors; all but the layout's are
+                validate.checkpoint_problems, the list inspect reports.
+        """
+        spec, source = checkpoint.spec, str(checkpoint.path)
+        refuse_invalid_config(spec, source=source)
+        self.check(spec, source=source)
+        refuse_invalid(checkpoint)
+
     def plan(self, checkpoint: Checkpoint, *, max_shard_bytes: int | None = None) -> CheckpointPlan:
-        """The complete plan for one checkpoint: every tensor, the shards, the new config."""
+        """The complete plan for one checkpoint `admit` let through: every tensor, the shards, the new config."""
         spec = checkpoint.spec
-        check_quantized_attention(spec, source=str(checkpoint.path))
-        warnings = self.check(spec, source=str(checkpoint.path))  # a scheme this layout refuses, by name, first
-        raise_first(quantized_weight_problems(checkpoint))  # per-layer copies the bytes: check what they claim
+        warnings = self.check(spec, source=str(checkpoint.path))
         tensors = list(self._plan_tensors(checkpoint))
         shards, indexed = plan_shards(tensors, source_files=[s.file.name for s in checkpoint.shards],
                                       indexed=checkpoint.indexed, max_shard_bytes=max_shard_bytes)
@@ -141,9 +140,6 @@ class Layout:
     def _plan_tensors(self, checkpoint: Checkpoint) -> Iterator[TensorPlan]:
         spec = checkpoint.spec
         attention = list(find_attention_tensors(checkpoint))
-        check_attention_tensors(attention, spec, source=str(checkpoint.path))
-        check_attention_scales(attention, spec, source=str(checkpoint.path))
-        check_moe_tensors(checkpoint)
         claimed = {t.source.ref.name for t in attention}
         for ref in checkpoint.tensors.values():
             if ref.name not in claimed:
@@ -175,229 +171,6 @@ def transformed(tensor: AttentionTensor, out_name: str, *, action: str, transfor
     """The tensor through a named function of transforms.py."""
     return TensorPlan(name=out_name, dtype=tensor.source.ref.dtype, shape=shape, source=tensor.source,
                       action=f"split+{action}" if tensor.from_fused else action, transform=transform, params=params)
-
-
-def _fused_slices(ref: TensorRef, layer: LayerGeometry, num_heads: int, source: str,
-                  block: WeightScheme | None) -> Iterator[tuple[str, SourceSlice]]:
-    """q/k/v row ranges of a fused qkv_proj tensor; `block`: the fp8 block scheme when `ref` is its
-    `weight_scale`, whose rows are one per block of weight rows (split exactly when no block straddles two
-    projections; refused by name when one does)."""
-    rows = {"q_proj": num_heads * layer.head_dim, "k_proj": layer.num_kv_heads * layer.head_dim,
-            "v_proj": 0 if layer.k_eq_v else layer.num_kv_heads * layer.head_dim}
-    unit = ""
-    if block is not None:
-        block_rows = block.block_structure[0]
-        straddling = next((m for m, n in rows.items() if n % block_rows), None)
-        if straddling is not None:
-            raise InputError(f"{source}: {ref.name} holds {block.describe()} scales of a fused q/k/v weight, but "
-                             f"{straddling} has {rows[straddling]} rows, not a multiple of the {block_rows}-row "
-                             "block: a scale spans two projections and cannot be split exactly")
-        rows = {m: n // block_rows for m, n in rows.items()}
-        unit = f" (one per {block_rows} weight rows)"
-    total = sum(rows.values())
-    if not ref.shape or ref.shape[0] != total:
-        raise InputError(f"{source}: {ref.name} has shape {list(ref.shape)} but layer {layer.index} "
-                         f"({layer.layer_type}, head_dim {layer.head_dim}, {layer.num_kv_heads} KV heads"
-                         f"{', k_eq_v' if layer.k_eq_v else ''}) needs {total} fused rows{unit}")
-    start = 0
-    for module, count in rows.items():
-        if count:
-            yield module, SourceSlice(ref=ref, row_start=start, row_stop=start + count)
-        start += count
-
-
-def _block_scheme(spec: ModelSpec, layer: int) -> WeightScheme | None:
-    scheme = weight_scheme(spec.quantization, f"{spec.weight_prefix}layers.{layer}.self_attn.qkv_proj")
-    return scheme if scheme is not None and scheme.is_fp8 and scheme.block_structure else None
-
-
-def find_attention_tensors(checkpoint: Checkpoint) -> Iterator[AttentionTensor]:
-    """Every text-decoder attention tensor, a fused qkv_proj already split into q/k/v row ranges."""
-    spec = checkpoint.spec
-    layers = spec.attention.layers
-    for ref in checkpoint.tensors.values():
-        parsed = parse_attention_name(ref.name, spec.weight_prefix)
-        if parsed is None:
-            continue
-        if parsed.layer >= len(layers):
-            raise InputError(f"{checkpoint.path}: {ref.name} names layer {parsed.layer} but the config has "
-                             f"{len(layers)} layers")
-        layer = layers[parsed.layer]
-        if parsed.module == "qkv_proj":
-            block = _block_scheme(spec, parsed.layer) if parsed.param == "weight_scale" else None
-            for module, piece in _fused_slices(ref, layer, spec.attention.num_heads, str(checkpoint.path), block):
-                yield AttentionTensor(layer=layer, module=module, param=parsed.param, source=piece, from_fused=True)
-        else:
-            yield AttentionTensor(layer=layer, module=parsed.module, param=parsed.param,
-                                  source=SourceSlice.whole(ref), from_fused=False)
-
-
-def expected_shape(tensor: AttentionTensor, attention: AttentionConfig) -> tuple[int, ...] | None:
-    """The shape vLLM 0.27 will build for a weight or bias; None for params it does not size this way."""
-    layer, hidden = tensor.layer, attention.hidden_size
-    rows = {"q_proj": attention.num_heads * layer.head_dim, "k_proj": layer.num_kv_heads * layer.head_dim,
-            "v_proj": layer.num_kv_heads * layer.head_dim}
-    if tensor.module in ("q_norm", "k_norm"):
-        return (layer.head_dim,) if tensor.param == "weight" else None
-    if tensor.module == "o_proj":
-        return {"weight": (hidden, attention.num_heads * layer.head_dim), "bias": (hidden,)}.get(tensor.param)
-    return {"weight": (rows[tensor.module], hidden), "bias": (rows[tensor.module],)}.get(tensor.param)
-
-
-def check_attention_tensors(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> None:
-    """Raises InputError (the first of attention_problems) when a tensor contradicts the config's geometry."""
-    problems = attention_problems(tensors, spec, source=source)
-    if problems:
-        raise InputError(problems[0].message)
-
-
-@dataclass(frozen=True)
-class AttentionProblem:
-    """One contradiction between config and tensors: `tensor` set for a wrong shape or an unexpected tensor,
-    `missing` (module names of `layer`) for absent ones."""
-
-    message: str
-    layer: LayerGeometry
-    tensor: AttentionTensor | None = None
-    want: tuple[int, ...] | None = None
-    missing: tuple[str, ...] = ()
-
-
-def attention_problems(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> list[AttentionProblem]:
-    """Every tensor whose shape or presence contradicts the config's geometry (shapes first, then per layer)."""
-    problems: list[AttentionProblem] = []
-    present: dict[int, set[str]] = {}
-    for tensor in tensors:
-        present.setdefault(tensor.layer.index, set()).add(tensor.module)
-        want = expected_shape(tensor, spec.attention)
-        if want is not None and tensor.source.shape != want:
-            layer = tensor.layer
-            problems.append(AttentionProblem(
-                f"{source}: {tensor.source.ref.name}{' (' + tensor.module + ' rows)' if tensor.from_fused else ''} "
-                f"has shape {list(tensor.source.shape)} but layer {layer.index} ({layer.layer_type}: head_dim "
-                f"{layer.head_dim}, {layer.num_kv_heads} KV heads) implies {list(want)}; config and weights disagree",
-                layer=layer, tensor=tensor, want=want))
-    for layer in spec.attention.layers:
-        modules = present.get(layer.index, set())
-        required = {"q_proj", "o_proj", "q_norm"} | ({"k_proj", "k_norm"} if layer.has_k else set())
-        required |= {"v_proj"} if layer.has_v else set()
-        missing = sorted(required - modules)
-        if missing:
-            problems.append(AttentionProblem(
-                f"{source}: layer {layer.index} ({layer.layer_type}) has no {', '.join(missing)} tensor",
-                layer=layer, missing=tuple(missing)))
-        if "v_proj" in modules and layer.k_eq_v:
-            extra = next(t for t in tensors if t.layer.index == layer.index and t.module == "v_proj")
-            problems.append(AttentionProblem(
-                f"{source}: layer {layer.index} has a v_proj tensor but the config says attention_k_eq_v (V is the "
-                "K projection)", layer=layer, tensor=extra))
-    return problems
-
-
-def raise_first(problems: list[str]) -> None:
-    """convert's refusal from a list-returning check (inspect lists them all): the first problem as InputError."""
-    if problems:
-        raise InputError(problems[0])
-
-
-def attention_scale_problems(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> list[str]:
-    """Every compressed-tensors fp8 attention weight with no `weight_scale`, and every block scale whose shape is
-    not one value per [rows, columns] block (layouts move scales together with their weights)."""
-    scales = {(t.layer.index, t.module): t for t in tensors if t.param == "weight_scale"}
-    problems = []
-    for tensor in tensors:
-        name = f"{spec.weight_prefix}layers.{tensor.layer.index}.self_attn.{tensor.module}"
-        scheme = weight_scheme(spec.quantization, name) if tensor.param == "weight" else None
-        if scheme is None or not scheme.is_fp8 or not tensor.source.ref.dtype.startswith("F8"):
-            continue
-        scale = scales.get((tensor.layer.index, tensor.module))
-        if scale is None:
-            problems.append(f"{source}: {tensor.source.ref.name} is {scheme.describe()} but {name}.weight_scale is "
-                            "missing; the checkpoint cannot be dequantized")
-        elif scheme.block_structure:
-            rows, columns = tensor.source.shape
-            want = (-(-rows // scheme.block_structure[0]), -(-columns // scheme.block_structure[1]))
-            if tuple(scale.source.shape) != want:
-                problems.append(f"{source}: {_piece_name(scale)} has shape {list(scale.source.shape)} but "
-                                f"{scheme.describe()} scales of a {[rows, columns]} weight are {list(want)}")
-    return problems
-
-
-def _piece_name(tensor: AttentionTensor) -> str:
-    return tensor.source.ref.name + (f" ({tensor.module} rows)" if tensor.from_fused else "")
-
-
-def check_attention_scales(tensors: list[AttentionTensor], spec: ModelSpec, *, source: str) -> None:
-    """Raises InputError: the first of attention_scale_problems."""
-    raise_first(attention_scale_problems(tensors, spec, source=source))
-
-
-def quantized_attention_problems(spec: ModelSpec, *, source: str) -> list[str]:
-    """Model Optimizer checkpoints convert only with every attention projection excluded from quantization (as
-    nvidia/Gemma-4-31B-IT-NVFP4 ships them): packed fp4 attention weights can be neither checked against the
-    config's geometry nor moved exactly. One problem per quantized projection."""
-    if not spec.quantization or spec.quantization.get("quant_method") != MODELOPT:
-        return []
-    problems = []
-    for layer in spec.attention.layers:
-        present = ("q_proj", *(("k_proj",) if layer.has_k else ()), *(("v_proj",) if layer.has_v else ()), "o_proj")
-        for module in present:
-            name = f"{spec.weight_prefix}layers.{layer.index}.self_attn.{module}"
-            scheme = weight_scheme(spec.quantization, name)
-            if scheme is not None:
-                problems.append(f"{source}: {name} is quantized as {scheme.describe()}; Model Optimizer checkpoints "
-                                "convert only when every self_attn module is excluded from quantization (like "
-                                "nvidia/Gemma-4-31B-IT-NVFP4): packed fp4 attention weights cannot be checked or "
-                                "padded exactly")
-    return problems
-
-
-def check_quantized_attention(spec: ModelSpec, *, source: str) -> None:
-    """Raises InputError: the first of quantized_attention_problems."""
-    raise_first(quantized_attention_problems(spec, source=source))
-
-
-def moe_problems(checkpoint: Checkpoint) -> list[str]:
-    """Every fused router/experts tensor that contradicts the config's MoE sizes, and the MoE layers with no experts
-    at all (one problem listing them). Per-expert tensors (`experts.<id>.*`, how quantized checkpoints store them)
-    are copied as they are; vLLM 0.27 maps both forms (models/gemma4.py load_weights)."""
-    spec, source = checkpoint.spec, str(checkpoint.path)
-    if spec.moe is None:
-        return []
-    want = spec.moe.fused_shapes()
-    with_experts: set[int] = set()
-    problems = []
-    for ref in checkpoint.tensors.values():
-        parsed = parse_moe_name(ref.name, spec.weight_prefix)
-        if parsed is None:
-            continue
-        layer, suffix = parsed
-        if suffix.startswith("experts."):
-            with_experts.add(layer)
-        if suffix in want and tuple(ref.shape) != want[suffix]:
-            m = spec.moe
-            problems.append(f"{source}: {ref.name} has shape {list(ref.shape)} but the config's MoE block "
-                            f"({m.num_experts} experts, moe_intermediate_size {m.intermediate_size}, hidden "
-                            f"{m.hidden_size}) implies {list(want[suffix])}; config and weights disagree")
-    missing = [i for i in range(len(spec.attention.layer_types)) if i not in with_experts]
-    if missing:
-        more = f" (and {len(missing) - 1} more: {missing[1:]})" if len(missing) > 1 else ""
-        problems.append(f"{source}: enable_moe_block is true but layer {missing[0]} has no experts tensors "
-                        f"({spec.weight_prefix}layers.{missing[0]}.experts.gate_up_proj / .down_proj){more}")
-    return problems
-
-
-def check_moe_tensors(checkpoint: Checkpoint) -> None:
-    """Raises InputError: the first of moe_problems."""
-    raise_first(moe_problems(checkpoint))
-
-
-def scheme_problems(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> list[str]:
-    """Every problem of the three checks above, in convert's order (inspect lists them; convert stops at the first)."""
-    source = str(checkpoint.path)
-    found = (quantized_attention_problems(checkpoint.spec, source=source) + quantized_weight_problems(checkpoint)
-             + attention_scale_problems(tensors, checkpoint.spec, source=source) + moe_problems(checkpoint))
-    return list(dict.fromkeys(found))
 
 
 def explicit_geometry(attention: AttentionConfig, **overrides: Any) -> dict[str, Any]:

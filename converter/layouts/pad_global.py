@@ -28,7 +28,8 @@ from ..errors import InputError
 from ..gemma4 import DIALECT_LEGACY, AttentionConfig, LayerGeometry, ModelSpec
 from ..plan import TensorPlan
 from ..quantization import WeightScheme, weight_scheme
-from .base import AttentionTensor, Layout, explicit_geometry, kept, register_layout, transformed
+from ..validate.attention import AttentionTensor
+from .base import Layout, explicit_geometry, kept, register_layout, transformed
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from ..gemma4 import DIALECT_LEGACY, AttentionConfig, ModelSpec, with_dual_keys
 from ..plan import TensorPlan
-from .base import AttentionTensor, Layout, explicit_geometry, kept, register_layout
+from ..validate.attention import AttentionTensor
+from .base import Layout, explicit_geometry, kept, register_layout
 
 KEYS_DUAL = "dual"
 KEYS_FLAT = "flat"

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from ..gemma4 import FULL, ROLE_ASSISTANT, ROLE_TARGET, text_config_of
-from ..layouts.base import find_attention_tensors
+from ..validate.attention import find_attention_tensors
 from ..plan import SourceSlice
 from ..read.checkpoint import Checkpoint
 from ..read.safetensors_header import TensorRef

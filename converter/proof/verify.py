@@ -99,6 +99,7 @@ def check_structure(source: Checkpoint, output: Checkpoint, *, role: str,
     if not manifest or manifest.get("tool") != "gemma4-convert":
         return [Problem(role, f"{output.path} has no conversion.json from gemma4-convert")], 0, 0
     layout = layout_from_manifest(manifest)
+    layout.admit(source)
     expected = layout.plan(source)
     planned = {t.name: t for t in expected.tensors}
     actual = output.tensors

@@ -18,9 +18,9 @@ import struct
 from typing import Iterator
 
 from ..quantization import COMPRESSED_TENSORS, WeightScheme, weight_scheme
-from .checkpoint import Checkpoint
-from .safetensors_header import TensorRef
-from .tensor_reader import read_range
+from ..read.checkpoint import Checkpoint
+from ..read.safetensors_header import TensorRef
+from ..read.tensor_reader import read_range
 
 PACKED = "pack-quantized"
 _INT_FORMATS = {"I64": "<q", "I32": "<i"}
