@@ -13,9 +13,10 @@ from typing import Any, Callable, Mapping
 
 from . import __version__
 from .cost import KvCost, homogeneous, human_bytes, kv_costs
-from .errors import InputError, OutputError, UsageError
+from .errors import InputError, OutputError, UnsupportedLayoutError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
 from .layouts import get_layout
+from .layouts.base import layout_from_manifest
 from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, TensorPlan, index_document
@@ -195,11 +196,20 @@ def _check_free_space(out: Path, needed: int) -> None:
 
 
 def _refuse_reconversion(checkpoint: Checkpoint) -> None:
+    """An output of this tool is converted again only when its config no longer is what its layout wrote (a config
+    re-saved by transformers >= 5.15): that conversion mends it; anything else would stack layouts."""
     manifest = checkpoint.manifest
-    if manifest and manifest.get("tool") == "gemma4-convert":
+    if manifest and manifest.get("tool") == "gemma4-convert" and _still_as_written(checkpoint, manifest):
         original = manifest.get("source", {}).get("path", "the original checkpoint")
         raise InputError(f"{checkpoint.path} is already an output of gemma4-convert (layout "
                          f"{manifest.get('layout')}); convert {original} instead")
+
+
+def _still_as_written(checkpoint: Checkpoint, manifest: Mapping[str, Any]) -> bool:
+    try:
+        return layout_from_manifest(manifest).matches(checkpoint.spec)
+    except UnsupportedLayoutError:  # a layout this version does not know: leave it alone
+        return True
 
 
 def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n: None) -> ConvertResult:

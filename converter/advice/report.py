@@ -20,7 +20,8 @@ from ..read.checkpoint import Checkpoint
 from ..validate import (AttentionTensor, attention_problems, checkpoint_problems, expected_shape,
                         find_attention_tensors)
 from .pitfalls import serving_pitfalls
-from .serving import KV_MIXED, VLLM_027_OLD, ServingEnv, measured, predict, recommend, shape_of, vllm_027_new
+from .serving import (KV_MIXED, VLLM_027_OLD, ServingEnv, measured, predict, recommend, releases_where, shape_of,
+                      vllm_027_new)
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
 
 REPORT_VERSION = 1
@@ -216,7 +217,26 @@ def _conversion(checkpoint: Checkpoint, recognized: str | None) -> dict[str, Any
         return None
     return {"layout": manifest.get("layout"), "recognized": recognized is not None,
             "tool_version": manifest.get("version"), "source": manifest.get("source", {}).get("path"),
-            "converted_with_pair": manifest.get("converted_with_pair"), "warnings": manifest.get("warnings", [])}
+            "converted_with_pair": manifest.get("converted_with_pair"), "warnings": manifest.get("warnings", []),
+            "drift": None if recognized is not None else _drift(checkpoint)}
+
+
+def _drift(checkpoint: Checkpoint) -> dict[str, Any]:
+    """What changed in an output's config since this tool wrote it (most often: re-saved by transformers >= 5.15,
+    which writes per_layer_config and drops the flat keys), which consumers that breaks, and the fix."""
+    spec = checkpoint.spec
+    if spec.dialect != DIALECT_LEGACY:
+        what = ("the flat global keys are gone: per_layer_config holds the full layers' geometry (what "
+                "transformers >= 5.15 writes on save_pretrained)")
+    elif not spec.attention.is_homogeneous and not spec.dual_keys:
+        what = "the dual keys are gone or disagree with the flat keys (transformers >= 5.15 cannot read them)"
+    else:
+        what = "config.json differs from what the recorded layout writes"
+    serves, fails = releases_where(shape_of(spec, fused=False))
+    breaks = (f"stock vLLM {', '.join(fails)} (measured: ledger rows of this config form)" if fails else
+              "no vLLM release measured") + "; MLX (mlx-lm) and llama.cpp read the flat keys too"
+    return {"what": what, "breaks": breaks, "serves": serves,
+            "fix": f"gemma4-convert convert {checkpoint.path} --layout per-layer --out NEW (config only, seconds)"}
 
 
 def _weight_bytes(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> dict[str, int | None]:

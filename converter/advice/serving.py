@@ -251,7 +251,7 @@ def recommend(spec: ModelSpec, *, fused: bool, env: ServingEnv | None, kv_ratio:
     if old.outcome == new.outcome == "loads":
         return {**document, "layout": NO_CONVERSION, "no_conversion_needed": True, "proven": True,
                 "why": f"serves as it is with vLLM 0.27 under transformers 5.14 and >=5.15 ({shape.form}){converted}"}
-    serves, fails = _releases_where(Shape(FORM_DUAL_KEYS, shape.kv_heads))
+    serves, fails = releases_where(Shape(FORM_DUAL_KEYS, shape.kv_heads))
     return {**document, "layout": "per-layer", "proven": bool(serves),
             "requires": f"vLLM {', '.join(serves) or '(none measured)'} under every transformers measured"
                         + (f"; not vLLM {', '.join(fails)}: pad-global there" if fails else ""),
@@ -290,7 +290,7 @@ def _recommend_for(env: ServingEnv, shape: Shape, document: dict[str, Any], pad_
                    + _LAYOUT_WHY[layout] + f" ({verdict.detail})")
             return {**document, "layout": layout, "why": why, "proven": proven_only,
                     "alternative": None if layout == "pad-global" else {**pad_global, "when": _pad_global_when(
-                        _releases_where(after)[1])}}
+                        releases_where(after)[1])}}
     return {**document, "why": f"no layout of this tool is proven to serve with {env.label()}{patch}: {now.detail}"}
 
 
@@ -317,7 +317,7 @@ def _across_transformers(shape: Shape, env: ServingEnv) -> tuple[Verdict, Eviden
     return measured(shape, env)
 
 
-def _releases_where(shape: Shape) -> tuple[list[str], list[str]]:
+def releases_where(shape: Shape) -> tuple[list[str], list[str]]:
     """(releases where `shape` loads under every transformers measured, releases where some row fails)."""
     by_release: dict[str, list] = {}
     for row in serving_rows():

@@ -82,6 +82,9 @@ def render(report: dict[str, Any]) -> None:
         click.echo(f"  converted by gemma4-convert {c['tool_version']}: layout {c['layout']}"
                    f"{' (recognized)' if c['recognized'] else ' (config does NOT match the recorded layout)'}"
                    f", from {c['source']}")
+        if c["drift"]:
+            d = c["drift"]
+            click.echo(f"    changed since: {d['what']}\n    breaks: {d['breaks']}\n    fix: {d['fix']}")
     click.echo("  stock vLLM 0.27:")
     for generation in ("transformers<5.15", "transformers>=5.15"):
         verdict = report["vllm_0_27"][generation]

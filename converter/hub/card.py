@@ -157,7 +157,14 @@ def _serve_section(role: str, layout: str, variant: str, repo_id: str, target_re
     if layout == "pad-global":
         lines.append("\n`--attention-backend TRITON_ATTN` keeps the kernel path the original heterogeneous "
                      "geometry gets (vLLM picks FA4/TRITON_ATTN only when head sizes differ).")
+    lines.append(f"\n{RESAVE_NOTE}")
     return "\n".join(lines)
+
+
+RESAVE_NOTE = ("Use and re-upload `config.json` as it is: re-saving it with transformers >= 5.15 (`save_pretrained`, "
+               "as fine-tuning and quantization scripts do) drops the flat keys vLLM <= 0.27, MLX and llama.cpp read. "
+               "`gemma4-convert inspect` names what changed; `gemma4-convert convert DIR --layout per-layer` mends it "
+               "(config only, seconds).")
 
 
 def _proof_section(variant: str) -> str:
