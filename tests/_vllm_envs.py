@@ -109,3 +109,18 @@ def missing_env(message: str) -> None:
     if os.environ.get(REQUIRE_VAR) == "1":
         pytest.fail(f"{REQUIRE_VAR}=1: {message}", pytrace=False)
     pytest.skip(message)
+
+
+def find_transformers_env(transformers: str) -> VllmEnv:
+    """Any built env holding transformers `transformers` (a release, or "newest": the highest found), for checks
+    that import only transformers and torch (tests/test_consumers.py); skip (or fail in CI) when none has it."""
+    envs = list(_all_envs())
+    if transformers == "newest":
+        found = max(envs, key=lambda e: _version_key(e.transformers), default=None)
+    else:
+        found = next((e for e in envs if e.transformers == transformers), None)
+    if found is None:
+        have = ", ".join(sorted({e.transformers for e in envs}, key=_version_key)) or "none"
+        missing_env(f"no env with transformers {transformers} (found: {have}); build one with "
+                    f"`bash scripts/vllm027/envs.sh vllm:0.27.0:{transformers}`")
+    return found

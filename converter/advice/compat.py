@@ -21,6 +21,10 @@ LEDGER_VERSION = 1
 CHECK_LOADER, CHECK_ENGINE = "loader", "engine"
 # the tool's wheel installed (pip --dry-run) into the env: verdict pass when no installed package would change
 CHECK_INSTALL = "install"
+# another consumer of an uploaded pair (row.consumer: transformers, ...) loads it and computes what it computes for
+# the original (tests/test_consumers.py)
+CHECK_CONSUMER = "consumer"
+VLLM = "vllm"
 INSTALL_CASE, INSTALL_LAYOUT = "gemma4-convert", "tool"
 PASS, FAIL = "pass", "fail"
 
@@ -55,6 +59,12 @@ class LedgerRow:
     # synthetic target lacks tensors published ones carry), so it says nothing about serving the target; "ranks":
     # vLLM's layers and loaders built as every rank of TP `tp` (scripts/vllm027/tp_check.py), summed over ranks
     scope: str = "pair"
+    consumer: str = VLLM  # who loads the checked pair: "vllm", "transformers", ...
+    consumer_version: str = ""  # that consumer's release (a vLLM row: its vLLM release)
+
+    def __post_init__(self) -> None:
+        if self.consumer == VLLM and not self.consumer_version:  # a vLLM row's consumer release is its vLLM's
+            object.__setattr__(self, "consumer_version", self.vllm)
 
     @property
     def key(self) -> tuple:
@@ -82,7 +92,7 @@ def row_from_dict(data: Mapping[str, Any], *, where: str) -> LedgerRow:
                          f"or unknown keys {unknown}")
     row = LedgerRow(**{k: data[k] for k in names if k in data})
     if row.verdict not in (PASS, FAIL) or row.expected not in (PASS, FAIL) or row.check not in (
-            CHECK_LOADER, CHECK_ENGINE, CHECK_INSTALL):
+            CHECK_LOADER, CHECK_ENGINE, CHECK_INSTALL, CHECK_CONSUMER):
         raise InputError(f"{where}: ledger row {row.case}/{row.variant}: verdict, expected or check out of range")
     return row
 
@@ -138,7 +148,7 @@ def stale_rows(rows: Iterable[LedgerRow], digests: Mapping[tuple[str, str], str]
         if mark in seen:
             continue
         now = digests.get((row.case if row.check in (CHECK_LOADER, CHECK_INSTALL) else f"engine:{row.case}",
-                           row.variant))
+                           row.variant))  # engine and consumer rows check the engine cases
         if now != row.digest:
             seen.add(mark)
             what = {"original": "source", INSTALL_LAYOUT: "runtime requirements"}.get(row.layout, "output")
@@ -152,7 +162,8 @@ def summarize(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     """One line per (layout, check, vLLM, transformers, tp): how many cases passed of how many, the newest date."""
     groups: dict[tuple, list[LedgerRow]] = {}
     for row in rows:
-        groups.setdefault((row.variant, row.check, row.vllm, row.transformers, row.tp), []).append(row)
+        if row.consumer == VLLM:  # other consumers: consumer_table
+            groups.setdefault((row.variant, row.check, row.vllm, row.transformers, row.tp), []).append(row)
     lines = []
     for (variant, check, vllm, transformers, tp), members in sorted(
             groups.items(), key=lambda kv: (kv[0][0], kv[0][1], version_key(kv[0][2]), version_key(kv[0][3]))):
@@ -168,7 +179,7 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     """One line per vLLM release (TP 1): its package, whether torch was off its pin, the transformers measured,
     per variant the loader rows passed of run (with the first failure's stage), the engine rows, and the layout the
     measurements recommend for a checkpoint whose KV-head count is mixed (31B, 26B-A4B) and uniform (E2B)."""
-    rows = [r for r in rows if r.tp == 1]
+    rows = [r for r in rows if r.tp == 1 and r.consumer == VLLM]
     lines = []
     for vllm in sorted({r.vllm for r in rows}, key=version_key):
         mine = [r for r in rows if r.vllm == vllm]
@@ -221,6 +232,41 @@ def render_release_markdown(rows: Iterable[LedgerRow]) -> str:
     return "\n".join(out) + "\n"
 
 
+def consumer_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
+    """One line per consumer other than vLLM and its release: per variant, rows passed of run (the first failure's
+    detail), the cases checked."""
+    rows = [r for r in rows if r.consumer != VLLM]
+    lines = []
+    for consumer, version in sorted({(r.consumer, r.consumer_version) for r in rows},
+                                    key=lambda cv: (cv[0], version_key(cv[1]))):
+        mine = [r for r in rows if (r.consumer, r.consumer_version) == (consumer, version)]
+        cells = {}
+        for variant in ("original", "per-layer", "pad-global"):
+            got = [r for r in mine if r.variant == variant]
+            failed = [r for r in got if r.verdict != PASS]
+            cells[variant] = {"passed": len(got) - len(failed), "rows": len(got),
+                              "failure": failed[0].detail if failed else None}
+        notes = sorted({r.detail for r in mine if r.verdict == PASS and r.detail})
+        lines.append({"consumer": consumer, "version": version, "cases": sorted({r.case for r in mine}), **cells,
+                      "notes": notes, "measured": max(r.measured for r in mine)})
+    return lines
+
+
+def render_consumer_markdown(rows: Iterable[LedgerRow]) -> str:
+    """The other consumers' table of docs/COMPATIBILITY.md (generated from the ledger)."""
+    out = ["| consumer | release | original | per-layer | pad-global | cases | noted |", "|---|---|---|---|---|---|---|"]
+    for line in consumer_table(rows):
+        def cell(c: dict[str, Any]) -> str:
+            if not c["rows"]:
+                return "-"
+            text = f"{c['passed']}/{c['rows']}"
+            return text if c["passed"] == c["rows"] else f"**{text}** ({c['failure']})"
+        notes = "; ".join(line["notes"]).replace("|", "\\|") or "-"
+        out.append(f"| {line['consumer']} | {line['version']} | {cell(line['original'])} | {cell(line['per-layer'])} | "
+                   f"{cell(line['pad-global'])} | {', '.join(line['cases'])} | {notes} |")
+    return "\n".join(out) + "\n"
+
+
 RELEASE_TABLE_BEGIN = "<!-- release table: generated by `make compat` from converter/advice/ledger.json -->"
 RELEASE_TABLE_END = "<!-- end of release table -->"
 
@@ -239,6 +285,7 @@ def with_release_table(text: str, rows: Iterable[LedgerRow]) -> str:
 
 def render_table(rows: Iterable[LedgerRow]) -> str:
     """The summary as an aligned text table (the `compat` verb)."""
+    rows = tuple(rows)
     lines = summarize(rows)
     if not lines:
         return "the ledger is empty: run `make compat`"
@@ -247,7 +294,11 @@ def render_table(rows: Iterable[LedgerRow]) -> str:
              str(s["tp"]), f"{s['passed']}/{s['rows']}", "yes" if s["as_predicted"] else "NO", s["measured"])
             for s in lines]
     widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in (header, *body))
+    table = "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in (header, *body))
+    others = [f"{c['consumer']} {c['version']}: " + ", ".join(f"{v} {c[v]['passed']}/{c[v]['rows']}"
+                                                              for v in ("original", "per-layer", "pad-global"))
+              for c in consumer_table(rows)]
+    return table + ("\n\nother consumers:\n" + "\n".join("  " + line for line in others) if others else "")
 
 
 def _figures_text(row: LedgerRow) -> str:
@@ -259,6 +310,10 @@ def _figures_text(row: LedgerRow) -> str:
                 f"{f.get('mismatched', 0)} differ, KV sharing {'ok' if f.get('kv_sharing_ok') else 'NOT ok'}")
     if row.check == CHECK_INSTALL:
         return f"{f.get('changed', 0)} installed package(s) changed, {len(f.get('added', []))} added"
+    if row.check == CHECK_CONSUMER:
+        return (f"logits max diff {f.get('max_abs_vs_original', 0):.2g} (floor {f.get('noise_floor') or 0:.2g}), "
+                f"greedy {'same' if f.get('greedy_identical') else 'DIFFERS'}, assisted "
+                f"{'same' if f.get('assisted_identical') else 'n/a' if f.get('assistant_error') else 'DIFFERS'}")
     delta = f.get("max_logprob_delta")
     return (f"tokens {'same' if f.get('tokens_identical') else 'DIFFER'}, drafts {f.get('draft_mismatch', '-')} "
             f"differ, max dlogprob {delta:.2g}" if delta is not None else "-")
@@ -282,6 +337,12 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "into each env of the release: pass when no installed package would be upgraded or downgraded; "
            "`tests/test_install.py`), and the layout the measurements recommend (what `inspect --serving vllm==X` "
            "answers).", "", render_release_markdown(rows).rstrip("\n"), "",
+           "## Other consumers", "", "The same synthetic pairs loaded by another consumer of an uploaded repo (consumer "
+           "rows: `tests/test_consumers.py`): transformers' `from_pretrained` of target and assistant, the target's "
+           "float32 logits against the original's (per-layer: identical; pad-global: within 2x the original's own "
+           "float32 error against float64) and greedy `generate` with and without `assistant_model` giving the "
+           "original's tokens. An original row that fails is the consumer's own limit; the layouts' rows then "
+           "show they fail the same way.", "", render_consumer_markdown(rows).rstrip("\n"), "",
            "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",
            "|---|---|---|---|---|---|---|---|"]
     for s in summarize(rows):
@@ -294,7 +355,9 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
     for row in sorted_rows(rows):
         torch = row.torch + ("" if row.torch_pin else " (off-pin)")
         detail = row.detail.replace("|", "\\|")
-        out.append(f"| {row.check} | {row.case} | {row.form} | {row.variant} | {row.vllm} ({row.vllm_package}) | "
+        where = f"{row.vllm} ({row.vllm_package})" if row.consumer == VLLM else \
+            f"- ({row.consumer} {row.consumer_version})"
+        out.append(f"| {row.check} | {row.case} | {row.form} | {row.variant} | {where} | "
                    f"{row.transformers} | {torch} | {row.dtype or '-'} | {row.verdict} | {row.expected} | "
                    f"{_figures_text(row)} | {row.measured} | `{row.digest[:12]}` | {detail or '-'} |")
     return "\n".join(out) + "\n"

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import yaml
 
 from .. import __version__
-from ..advice.compat import load_ledger, summarize
+from ..advice.compat import consumer_table, load_ledger, summarize
 from ..cost import human_bytes, kv_costs
 from ..errors import InputError, UnsupportedLayoutError, UsageError
 from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
@@ -179,7 +179,19 @@ def _proof_section(variant: str) -> str:
     return ("## Proven with stock vLLM\n\nThe converter's compatibility ledger for this layout: the stock vLLM "
             "loader (every loaded tensor equal to the checkpoint's) and the vLLM CPU engine (the same greedy tokens "
             "and draft proposals as the original pair) on synthetic pairs with Gemma 4's real names and ratios, "
-            "each row tied to the digest of the output this converter version writes.\n\n" + "\n".join(table))
+            "each row tied to the digest of the output this converter version writes.\n\n" + "\n".join(table)
+            + _consumers_text(variant))
+
+
+def _consumers_text(variant: str) -> str:
+    """Other consumers the ledger proved this layout with (docs/COMPATIBILITY.md, "Other consumers")."""
+    proven = [f"{c['consumer']} {c['version']}: {c[variant]['passed']}/{c[variant]['rows']}"
+              + (f" ({c['notes'][0]})" if c["notes"] else "")
+              for c in consumer_table(load_ledger()) if c.get(variant, {}).get("rows")]
+    if not proven:
+        return ""
+    return ("\n\nOther consumers, same synthetic pairs (`from_pretrained` of target and assistant, the original's "
+            "logits and greedy tokens, with and without the assistant): " + "; ".join(proven) + ".")
 
 
 def _kv_text(manifest: Mapping[str, Any], role: str, layout: str) -> str:

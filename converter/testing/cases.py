@@ -353,6 +353,15 @@ ENGINE_TP_SIZES = (2,)
 # the engine test accepts and the ledger check names an open finding rather than a surprise
 ENGINE_TP_DRAFT_FLIPS = 0.02
 ENGINE_LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed command is the one served over HTTP
+# other consumers of an uploaded pair (tests/test_consumers.py): the engine cases (real head sizes, varied greedy
+# output), original and both layouts, under each transformers release: 5.8.0 (the first with gemma4_assistant),
+# 5.14.1 (the last before per_layer_config), 5.15.0 (the first with it), 5.19.0, and the newest
+CONSUMER_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "e2b")
+CONSUMER_TRANSFORMERS = ("5.8.0", LEGACY_TRANSFORMERS, "5.15.0", "5.19.0", NEWEST)
+# what a transformers release cannot do for the ORIGINAL pair either (measured): the rows record it as the consumer's
+# own limit; a layout passes when it behaves exactly as the original does
+TRANSFORMERS_LIMITS = {"5.19.0": "generate(assistant_model=...) raises TypeError in "
+                                 "SinglePositionMultiTokenCandidateGenerator (missing input_ids, model_kwargs)"}
 
 
 @dataclass(frozen=True)
@@ -415,7 +424,6 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
         pair = build_engine_case(name, root / "engine")
         for layout, (path, _) in pair.converted.items():
             digests[(engine_key(name), layout)] = pair_digest(path / "target", path / "assistant")
-        if name in ENGINE_TP_SOURCES:  # the original itself is an engine row at TP > 1
-            digests[(engine_key(name), ORIGINAL)] = pair_digest(pair.reference / "target",
-                                                                pair.reference / "assistant")
+        # the original itself: an engine row at TP > 1 (ENGINE_TP_SOURCES) and a consumer row (CONSUMER_SOURCES)
+        digests[(engine_key(name), ORIGINAL)] = pair_digest(pair.reference / "target", pair.reference / "assistant")
     return digests
