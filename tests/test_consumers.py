@@ -151,4 +151,5 @@ def test_the_card_lists_what_each_consumer_proved_for_its_layout(layout, tmp_pat
     card = render_card(manifest=manifest, verification=None, repo_id="me/t", target_repo="me/t",
                        assistant_repo="me/a", base_model=None)
     for c in proven:
-        assert f"{c['consumer']} {c['version']}: {c[layout]['passed']}/{c[layout]['rows']}" in card
+        assert f"| consumer | - ({c['consumer']}) | {c['version']} | 1 | {c[layout]['passed']}/{c[layout]['rows']} " \
+               "synthetic cases" in card

@@ -176,22 +176,20 @@ def _proof_section(variant: str) -> str:
     table = ["| check | vLLM | transformers | TP | passed | measured |", "|---|---|---|---|---|---|"]
     table += [f"| {s['check']} | {s['vllm']}{' (off-pin torch)' if s['off_pin'] else ''} | {s['transformers']} | "
               f"{s['tp']} | {s['passed']}/{s['rows']} synthetic cases | {s['measured']} |" for s in lines]
+    table += _consumer_lines(variant)
     return ("## Proven with stock vLLM\n\nThe converter's compatibility ledger for this layout: the stock vLLM "
             "loader (every loaded tensor equal to the checkpoint's) and the vLLM CPU engine (the same greedy tokens "
             "and draft proposals as the original pair) on synthetic pairs with Gemma 4's real names and ratios, "
-            "each row tied to the digest of the output this converter version writes.\n\n" + "\n".join(table)
-            + _consumers_text(variant))
+            "each row tied to the digest of the output this converter version writes; `consumer` rows: transformers' "
+            "`from_pretrained` of target and assistant giving the original's logits and greedy tokens, with and "
+            "without the assistant.\n\n" + "\n".join(table))
 
 
-def _consumers_text(variant: str) -> str:
-    """Other consumers the ledger proved this layout with (docs/COMPATIBILITY.md, "Other consumers")."""
-    proven = [f"{c['consumer']} {c['version']}: {c[variant]['passed']}/{c[variant]['rows']}"
-              + (f" ({c['notes'][0]})" if c["notes"] else "")
-              for c in consumer_table(load_ledger()) if c.get(variant, {}).get("rows")]
-    if not proven:
-        return ""
-    return ("\n\nOther consumers, same synthetic pairs (`from_pretrained` of target and assistant, the original's "
-            "logits and greedy tokens, with and without the assistant): " + "; ".join(proven) + ".")
+def _consumer_lines(variant: str) -> list[str]:
+    """Table lines of the other consumers the ledger proved this layout with (docs/COMPATIBILITY.md)."""
+    return [f"| consumer | - ({c['consumer']}) | {c['version']} | 1 | {c[variant]['passed']}/{c[variant]['rows']} "
+            f"synthetic cases{' (' + c['notes'][0] + ')' if c['notes'] else ''} | {c['measured']} |"
+            for c in consumer_table(load_ledger()) if c.get(variant, {}).get("rows")]
 
 
 def _kv_text(manifest: Mapping[str, Any], role: str, layout: str) -> str:
