@@ -33,8 +33,9 @@ vllm-envs:
 ci-envs:
 	@$(VLLM_ENVS) $(CI_ENVS)
 
-# docs/COMPATIBILITY.md: the whole loader + engine matrix into converter/advice/ledger.json (incremental: rows whose
-# output digest and env are unchanged are carried over; COMPAT_ARGS=--all re-runs every row)
+# docs/COMPATIBILITY.md: the whole loader + engine + install + consumer matrix into converter/advice/ledger.json
+# (incremental: rows whose output digest and env are unchanged are carried over; COMPAT_ARGS=--all re-runs every row;
+# COMPAT_ARGS='--check install' or '--check consumer' re-runs only that check's rows)
 compat:
 	$(PY) scripts/compat.py $(COMPAT_ARGS) $(ALL_ENVS)
 
