@@ -19,13 +19,14 @@ from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL
                                      stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
+from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, MLX_SOURCES, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                      ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
                                      LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED, NEWEST, RANK_ENV, RANK_SOURCES,
                                      RANK_TP_SIZES, RELEASES, build_loader_case, case_digests, env_specs,
                                      engine_transformers)
 
 from _wheel import requirements_digest
+from test_consumers import MLX_TRANSFORMERS
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,8 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
     want |= {(CHECK_CONSUMER, name, variant, "", consumer_newest if tf == NEWEST else tf, "", 1)
              for name in CONSUMER_SOURCES for variant in (ORIGINAL, "per-layer", "pad-global")
              for tf in CONSUMER_TRANSFORMERS}
+    want |= {(CHECK_CONSUMER, name, variant, "", MLX_TRANSFORMERS, "", 1) for name in MLX_SOURCES
+             for variant in (ORIGINAL, "per-layer", "pad-global")}
     have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype, r.tp) for r in ledger}
     assert not want - have, f"matrix rows the ledger lacks (run make compat): {sorted(want - have)}"
     assert not have - want, f"ledger rows no matrix row asks for: {sorted(have - want)}"

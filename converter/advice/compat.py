@@ -247,7 +247,8 @@ def consumer_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
             cells[variant] = {"passed": len(got) - len(failed), "rows": len(got),
                               "failure": failed[0].detail if failed else None}
         notes = sorted({r.detail for r in mine if r.verdict == PASS and r.detail})
-        lines.append({"consumer": consumer, "version": version, "cases": sorted({r.case for r in mine}), **cells,
+        lines.append({"consumer": consumer, "version": version, "cases": sorted({r.case for r in mine}),
+                      "transformers": sorted({r.transformers for r in mine if r.transformers}, key=version_key), **cells,
                       "notes": notes, "measured": max(r.measured for r in mine)})
     return lines
 
@@ -311,9 +312,15 @@ def _figures_text(row: LedgerRow) -> str:
     if row.check == CHECK_INSTALL:
         return f"{f.get('changed', 0)} installed package(s) changed, {len(f.get('added', []))} added"
     if row.check == CHECK_CONSUMER:
-        return (f"logits max diff {f.get('max_abs_vs_original', 0):.2g} (floor {f.get('noise_floor') or 0:.2g}), "
-                f"greedy {'same' if f.get('greedy_identical') else 'DIFFERS'}, assisted "
-                f"{'same' if f.get('assisted_identical') else 'n/a' if f.get('assistant_error') else 'DIFFERS'}")
+        if "max_abs_vs_original" not in f:
+            return "-"
+        parts = [f"logits max diff {f['max_abs_vs_original']:.2g}"
+                 + (f" (floor {f['noise_floor']:.2g})" if f.get("noise_floor") is not None else ""),
+                 f"greedy {'same' if f.get('greedy_identical') else 'DIFFERS'}"]
+        if "assisted_identical" in f:  # consumers that run the assistant
+            parts.append("assisted " + ("same" if f["assisted_identical"] else
+                                        "n/a" if f.get("assistant_error") else "DIFFERS"))
+        return ", ".join(parts)
     delta = f.get("max_logprob_delta")
     return (f"tokens {'same' if f.get('tokens_identical') else 'DIFFER'}, drafts {f.get('draft_mismatch', '-')} "
             f"differ, max dlogprob {delta:.2g}" if delta is not None else "-")
@@ -341,8 +348,9 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "rows: `tests/test_consumers.py`): transformers' `from_pretrained` of target and assistant, the target's "
            "float32 logits against the original's (per-layer: identical; pad-global: within 2x the original's own "
            "float32 error against float64) and greedy `generate` with and without `assistant_model` giving the "
-           "original's tokens. An original row that fails is the consumer's own limit; the layouts' rows then "
-           "show they fail the same way.", "", render_consumer_markdown(rows).rstrip("\n"), "",
+           "original's tokens; mlx-lm (CPU backend) `load_model` of the text targets, float32 logits (per-layer identical) "
+           "and greedy tokens equal to the original's. An original row that fails is the consumer's own limit; the "
+           "layouts' rows then show they fail the same way.", "", render_consumer_markdown(rows).rstrip("\n"), "",
            "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",
            "|---|---|---|---|---|---|---|---|"]
     for s in summarize(rows):

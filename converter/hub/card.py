@@ -187,7 +187,8 @@ def _proof_section(variant: str) -> str:
 
 def _consumer_lines(variant: str) -> list[str]:
     """Table lines of the other consumers the ledger proved this layout with (docs/COMPATIBILITY.md)."""
-    return [f"| consumer | - ({c['consumer']}) | {c['version']} | 1 | {c[variant]['passed']}/{c[variant]['rows']} "
+    return [f"| consumer | - ({c['consumer']} {c['version']}) | {', '.join(c['transformers'])} | 1 | "
+            f"{c[variant]['passed']}/{c[variant]['rows']} "
             f"synthetic cases{' (' + c['notes'][0] + ')' if c['notes'] else ''} | {c['measured']} |"
             for c in consumer_table(load_ledger()) if c.get(variant, {}).get("rows")]
 

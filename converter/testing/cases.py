@@ -360,6 +360,10 @@ CONSUMER_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "e2b")
 CONSUMER_TRANSFORMERS = ("5.8.0", LEGACY_TRANSFORMERS, "5.15.0", "5.19.0", NEWEST)
 # what a transformers release cannot do for the ORIGINAL pair either (measured): the rows record it as the consumer's
 # own limit; a layout passes when it behaves exactly as the original does
+# mlx-lm (MLX's CPU backend) on the text-only engine cases: 31B geometry whose converter input is the
+# per_layer_config dialect (which mlx-lm cannot load: no flat global keys), the 26B-A4B MoE and E2B
+MLX_SOURCES = ("31b-per-layer-config", "26b-a4b-moe", "e2b")
+MLX_LM = "0.32.2"  # scripts/consumers/mlx/requirements.txt
 TRANSFORMERS_LIMITS = {"5.19.0": "generate(assistant_model=...) raises TypeError in "
                                  "SinglePositionMultiTokenCandidateGenerator (missing input_ids, model_kwargs)"}
 

@@ -1,0 +1,41 @@
+"""The venv of a consumer that is not vLLM (mlx-lm, ...), built once from scripts/consumers/<name>/requirements.txt.
+
+It lives under ~/.cache/gemma4-convert/consumer-envs/<name>-<first 12 hex of the requirements' sha256> (or
+GEMMA4_CONSUMER_ENVS) and is reused while its requirements are unchanged; a half-built one (no stamp) is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STAMP = ".gemma4-consumer-env-complete"
+
+
+def consumer_python(name: str) -> Path:
+    """The python of consumer `name`'s env, built if needed.
+
+    Raises:
+        RuntimeError: the env could not be built (pip's last lines in the message).
+    """
+    requirements = REPO / "scripts" / "consumers" / name / "requirements.txt"
+    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()[:12]
+    root = Path(os.environ.get("GEMMA4_CONSUMER_ENVS") or Path.home() / ".cache" / "gemma4-convert" / "consumer-envs")
+    env = root / f"{name}-{digest}"
+    python = env / "bin" / "python"
+    if (env / STAMP).is_file():
+        return python
+    shutil.rmtree(env, ignore_errors=True)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=300)
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(requirements)], capture_output=True,
+                          text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the {name} env {env} failed: {proc.stderr.strip()[-1500:]}")
+    (env / STAMP).write_text(digest + "\n")
+    return python
