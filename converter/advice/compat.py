@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import InputError
 
@@ -184,22 +184,36 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     for vllm in sorted({r.vllm for r in rows}, key=version_key):
         mine = [r for r in rows if r.vllm == vllm]
         loader = [r for r in mine if r.check == CHECK_LOADER]
-        cells = {}
-        for variant in ("original", "per-layer", "pad-global"):
-            got = [r for r in loader if r.variant == variant]
-            failed = [r for r in got if r.verdict != PASS]
-            cells[variant] = {"passed": len(got) - len(failed), "rows": len(got),
-                              "failure": failed[0].detail.split(":", 1)[0] if failed else None}
+        cells = _variant_cells(loader, failure=lambda r: r.detail.split(":", 1)[0])  # the failure's stage
         engine = [r for r in mine if r.check == CHECK_ENGINE]
         install = [r for r in mine if r.check == CHECK_INSTALL]
         lines.append({"vllm": vllm, "packages": sorted({r.vllm_package for r in mine}),
                       "off_pin": any(not r.torch_pin for r in mine),
                       "transformers": sorted({r.transformers for r in mine}, key=version_key), **cells,
                       "engine": {"passed": sum(r.verdict == PASS for r in engine), "rows": len(engine)},
-                      "install": {"passed": sum(r.verdict == PASS for r in install), "rows": len(install),
-                                  "failure": next((r.detail for r in install if r.verdict != PASS), None)},
+                      "install": _passed_cell(install, failure=lambda r: r.detail),
                       "advice": {kv: _advice(loader, kv) for kv in ("mixed", "uniform")}})
     return lines
+
+
+def _passed_cell(rows: list[LedgerRow], *, failure: Callable[[LedgerRow], str]) -> dict[str, Any]:
+    """{passed, rows, failure}: how many of `rows` passed, and `failure` of the first that did not (None: none)."""
+    failed = [r for r in rows if r.verdict != PASS]
+    return {"passed": len(rows) - len(failed), "rows": len(rows), "failure": failure(failed[0]) if failed else None}
+
+
+def _variant_cells(rows: list[LedgerRow], *, failure: Callable[[LedgerRow], str]) -> dict[str, dict[str, Any]]:
+    """_passed_cell of each variant's rows: original, per-layer, pad-global."""
+    return {variant: _passed_cell([r for r in rows if r.variant == variant], failure=failure)
+            for variant in ("original", "per-layer", "pad-global")}
+
+
+def _markdown_cell(cell: dict[str, Any]) -> str:
+    """"6/6", "**1/6** (kv_sharing)", or "-" where nothing ran (the generated tables)."""
+    if not cell["rows"]:
+        return "-"
+    text = f"{cell['passed']}/{cell['rows']}"
+    return text if cell["passed"] == cell["rows"] else f"**{text}** ({cell.get('failure') or 'fails'})"
 
 
 def _advice(loader: list[LedgerRow], kv_heads: str) -> str | None:
@@ -219,16 +233,12 @@ def render_release_markdown(rows: Iterable[LedgerRow]) -> str:
     out = ["| vLLM | package | transformers | original | per-layer | pad-global | engine | install | Hub 31B / 26B-A4B "
            "| Hub E2B |", "|---|---|---|---|---|---|---|---|---|---|"]
     for line in release_table(rows):
-        def cell(c: dict[str, Any]) -> str:
-            if not c["rows"]:
-                return "-"
-            text = f"{c['passed']}/{c['rows']}"
-            return text if c["passed"] == c["rows"] else f"**{text}** ({c.get('failure') or 'fails'})"
         package = ", ".join(line["packages"]) + (" (off-pin torch 2.13.0)" if line["off_pin"] else "")
         advice = {kv: {"none": "no conversion", None: "-"}.get(a, f"`{a}`") for kv, a in line["advice"].items()}
-        out.append(f"| {line['vllm']} | {package} | {', '.join(line['transformers'])} | {cell(line['original'])} | "
-                   f"{cell(line['per-layer'])} | {cell(line['pad-global'])} | {cell(line['engine'])} | "
-                   f"{cell(line['install'])} | {advice['mixed']} | {advice['uniform']} |")
+        cells = " | ".join(_markdown_cell(line[key])
+                           for key in ("original", "per-layer", "pad-global", "engine", "install"))
+        out.append(f"| {line['vllm']} | {package} | {', '.join(line['transformers'])} | {cells} | {advice['mixed']} | "
+                   f"{advice['uniform']} |")
     return "\n".join(out) + "\n"
 
 
@@ -240,31 +250,23 @@ def consumer_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     for consumer, version in sorted({(r.consumer, r.consumer_version) for r in rows},
                                     key=lambda cv: (cv[0], version_key(cv[1]))):
         mine = [r for r in rows if (r.consumer, r.consumer_version) == (consumer, version)]
-        cells = {}
-        for variant in ("original", "per-layer", "pad-global"):
-            got = [r for r in mine if r.variant == variant]
-            failed = [r for r in got if r.verdict != PASS]
-            cells[variant] = {"passed": len(got) - len(failed), "rows": len(got),
-                              "failure": failed[0].detail if failed else None}
+        cells = _variant_cells(mine, failure=lambda r: r.detail)
         notes = sorted({r.detail for r in mine if r.verdict == PASS and r.detail})
         lines.append({"consumer": consumer, "version": version, "cases": sorted({r.case for r in mine}),
-                      "transformers": sorted({r.transformers for r in mine if r.transformers}, key=version_key), **cells,
+                      "transformers": sorted({r.transformers for r in mine if r.transformers}, key=version_key),
+                      **cells,
                       "notes": notes, "measured": max(r.measured for r in mine)})
     return lines
 
 
 def render_consumer_markdown(rows: Iterable[LedgerRow]) -> str:
     """The other consumers' table of docs/COMPATIBILITY.md (generated from the ledger)."""
-    out = ["| consumer | release | original | per-layer | pad-global | cases | noted |", "|---|---|---|---|---|---|---|"]
+    out = ["| consumer | release | original | per-layer | pad-global | cases | noted |",
+           "|---|---|---|---|---|---|---|"]
     for line in consumer_table(rows):
-        def cell(c: dict[str, Any]) -> str:
-            if not c["rows"]:
-                return "-"
-            text = f"{c['passed']}/{c['rows']}"
-            return text if c["passed"] == c["rows"] else f"**{text}** ({c['failure']})"
         notes = "; ".join(line["notes"]).replace("|", "\\|") or "-"
-        out.append(f"| {line['consumer']} | {line['version']} | {cell(line['original'])} | {cell(line['per-layer'])} | "
-                   f"{cell(line['pad-global'])} | {', '.join(line['cases'])} | {notes} |")
+        cells = " | ".join(_markdown_cell(line[key]) for key in ("original", "per-layer", "pad-global"))
+        out.append(f"| {line['consumer']} | {line['version']} | {cells} | {', '.join(line['cases'])} | {notes} |")
     return "\n".join(out) + "\n"
 
 
@@ -344,12 +346,12 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "into each env of the release: pass when no installed package would be upgraded or downgraded; "
            "`tests/test_install.py`), and the layout the measurements recommend (what `inspect --serving vllm==X` "
            "answers).", "", render_release_markdown(rows).rstrip("\n"), "",
-           "## Other consumers", "", "The same synthetic pairs loaded by another consumer of an uploaded repo (consumer "
-           "rows: `tests/test_consumers.py`): transformers' `from_pretrained` of target and assistant, the target's "
+           "## Other consumers", "", "The same synthetic pairs loaded by another consumer of an uploaded repo "
+           "(consumer rows: `tests/test_consumers.py`): transformers' `from_pretrained` of target and assistant, the target's "
            "float32 logits against the original's (per-layer: identical; pad-global: within 2x the original's own "
            "float32 error against float64) and greedy `generate` with and without `assistant_model` giving the "
-           "original's tokens; mlx-lm (CPU backend) `load_model` of the text targets, float32 logits (per-layer identical) "
-           "and greedy tokens equal to the original's. An original row that fails is the consumer's own limit; the "
+           "original's tokens; mlx-lm (CPU backend) `load_model` of the text targets, float32 logits (per-layer "
+           "identical) and greedy tokens equal to the original's. An original row that fails is the consumer's own limit; the "
            "layouts' rows then show they fail the same way.", "", render_consumer_markdown(rows).rstrip("\n"), "",
            "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",
            "|---|---|---|---|---|---|---|---|"]
