@@ -347,12 +347,12 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "`tests/test_install.py`), and the layout the measurements recommend (what `inspect --serving vllm==X` "
            "answers).", "", render_release_markdown(rows).rstrip("\n"), "",
            "## Other consumers", "", "The same synthetic pairs loaded by another consumer of an uploaded repo "
-           "(consumer rows: `tests/test_consumers.py`): transformers' `from_pretrained` of target and assistant, the target's "
-           "float32 logits against the original's (per-layer: identical; pad-global: within 2x the original's own "
-           "float32 error against float64) and greedy `generate` with and without `assistant_model` giving the "
-           "original's tokens; mlx-lm (CPU backend) `load_model` of the text targets, float32 logits (per-layer "
-           "identical) and greedy tokens equal to the original's. An original row that fails is the consumer's own limit; the "
-           "layouts' rows then show they fail the same way.", "", render_consumer_markdown(rows).rstrip("\n"), "",
+           "(consumer rows: `tests/test_consumers.py`): transformers' `from_pretrained` of target and assistant, the "
+           "target's float32 logits against the original's (per-layer: identical; pad-global: within 2x the "
+           "original's own float32 error against float64) and greedy `generate` with and without `assistant_model` "
+           "giving the original's tokens; mlx-lm (CPU backend) `load_model` of the text targets, float32 logits "
+           "(per-layer identical) and greedy tokens equal to the original's. An original row that fails is the "
+           "consumer's own limit; the layouts' rows then show they fail the same way.", "", render_consumer_markdown(rows).rstrip("\n"), "",
            "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",
            "|---|---|---|---|---|---|---|---|"]
     for s in summarize(rows):
