@@ -352,7 +352,8 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "original's own float32 error against float64) and greedy `generate` with and without `assistant_model` "
            "giving the original's tokens; mlx-lm (CPU backend) `load_model` of the text targets, float32 logits "
            "(per-layer identical) and greedy tokens equal to the original's. An original row that fails is the "
-           "consumer's own limit; the layouts' rows then show they fail the same way.", "", render_consumer_markdown(rows).rstrip("\n"), "",
+           "consumer's own limit; the layouts' rows then show they fail the same way.", "",
+           render_consumer_markdown(rows).rstrip("\n"), "",
            "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",
            "|---|---|---|---|---|---|---|---|"]
     for s in summarize(rows):
