@@ -12,13 +12,12 @@ usage: check.py --reference PAIR [--pair NAME=PAIR ...] --json OUT   (PAIR: a di
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-PROMPT = [2, 17, 5, 33, 9, 41, 3, 12, 28, 7, 19, 36]  # the transformers check's prompt
-NEW_TOKENS = 8
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/consumers: run by path, not as a package
+from consumer_io import NEW_TOKENS, PROMPT, one_line, parse_pairs  # noqa: E402
 
 
 def check_target(path: Path) -> dict:
@@ -33,25 +32,20 @@ def check_target(path: Path) -> dict:
             tokens.append(int(mx.argmax(model(mx.array([tokens]))[0, -1]).item()))
         logits = model(mx.array([PROMPT]))[0]
     except Exception as exc:  # noqa: BLE001 - any failure of the consumer is the finding, recorded as one line
-        return {"target_error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+        return {"target_error": one_line(exc)}
     return {"target_error": None, "greedy": tokens, "logits": logits.tolist()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reference", type=Path, required=True)
-    parser.add_argument("--pair", action="append", default=[], metavar="NAME=PAIR")
-    parser.add_argument("--json", type=Path, required=True)
-    args = parser.parse_args(argv)
+    pairs, out = parse_pairs(__doc__.splitlines()[0], argv)
     import mlx.core as mx
     import mlx_lm
     import transformers  # what mlx-lm reads tokenizers and configs with: the env's, recorded
 
-    pairs = {"reference": args.reference, **{p.split("=", 1)[0]: Path(p.split("=", 1)[1]) for p in args.pair}}
     report = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "transformers": transformers.__version__,
               "device": str(mx.default_device()),
               "pairs": {name: check_target(pair / "target") for name, pair in pairs.items()}}
-    args.json.write_text(json.dumps(report))
+    out.write_text(json.dumps(report))
     return 0
 
 

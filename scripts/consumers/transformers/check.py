@@ -18,18 +18,13 @@ usage: check.py --reference PAIR [--pair NAME=PAIR ...] --json OUT   (PAIR: a di
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import traceback
 from pathlib import Path
 
-PROMPT = [2, 17, 5, 33, 9, 41, 3, 12, 28, 7, 19, 36]  # ids below every test vocabulary
-NEW_TOKENS = 8
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/consumers: run by path, not as a package
+from consumer_io import NEW_TOKENS, PROMPT, one_line, parse_pairs  # noqa: E402
 
 
 def load_target(path: Path, dtype: str = "float32"):
@@ -54,7 +49,7 @@ def float64_logits(path: Path, ids) -> tuple[list | None, str | None]:
         with torch.no_grad():
             return load_target(path, "float64")(input_ids=ids).logits[0].tolist(), None
     except Exception as exc:  # noqa: BLE001 - without a floor the caller judges by tokens only
-        return None, _one_line(exc)
+        return None, one_line(exc)
 
 
 def check_pair(pair: Path, *, float64: bool = False) -> dict:
@@ -70,7 +65,7 @@ def check_pair(pair: Path, *, float64: bool = False) -> dict:
             result["greedy"] = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0].tolist()
 
     except Exception as exc:  # noqa: BLE001 - any failure of the consumer is the finding, recorded as one line
-        result["target_error"] = _one_line(exc)
+        result["target_error"] = one_line(exc)
         return result
     if float64:  # the reference's own float32 rounding: the noise floor a layout is judged against
         result["logits_float64"], result["float64_error"] = float64_logits(pair / "target", ids)
@@ -83,28 +78,23 @@ def check_pair(pair: Path, *, float64: bool = False) -> dict:
             result["assisted"] = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
                                                  assistant_model=assistant)[0].tolist()
     except Exception as exc:  # noqa: BLE001 - as above
-        result["assistant_error"] = _one_line(exc)
+        result["assistant_error"] = one_line(exc)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reference", type=Path, required=True)
-    parser.add_argument("--pair", action="append", default=[], metavar="NAME=PAIR")
-    parser.add_argument("--json", type=Path, required=True)
-    args = parser.parse_args(argv)
+    pairs, out = parse_pairs(__doc__.splitlines()[0], argv)
     import torch
     import transformers
 
     torch.manual_seed(0)
-    pairs = {"reference": args.reference, **{p.split("=", 1)[0]: Path(p.split("=", 1)[1]) for p in args.pair}}
     report = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "pairs": {}}
     for name, pair in pairs.items():
         try:
             report["pairs"][name] = check_pair(pair, float64=name == "reference")
         except Exception:  # noqa: BLE001 - the report says what broke; the caller fails on it
             report["pairs"][name] = {"crash": traceback.format_exc()[-2000:]}
-    args.json.write_text(json.dumps(report))
+    out.write_text(json.dumps(report))
     return 0
 
 
