@@ -159,3 +159,18 @@ def wheel(tmp_path_factory):
     from _wheel import build_wheel
 
     return build_wheel(tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("wheel-src"))
+
+
+@pytest.fixture(scope="session")
+def engine_case(tmp_path_factory):
+    """cases.build_engine_case(NAME), built once per session: the engine and the consumer tests read the same pairs
+    (and never modify them)."""
+    from converter.testing.cases import EnginePair, build_engine_case
+
+    built: dict[str, EnginePair] = {}
+
+    def get(name: str) -> EnginePair:
+        if name not in built:
+            built[name] = build_engine_case(name, tmp_path_factory.mktemp("engine"))
+        return built[name]
+    return get

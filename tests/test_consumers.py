@@ -25,7 +25,7 @@ import pytest
 from converter.advice.compat import CHECK_CONSUMER, FAIL, PASS, LedgerRow
 from converter.proof.digest import pair_digest
 from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, ENGINE_SOURCES, MLX_LM, MLX_SOURCES,
-                                     NEWEST, ORIGINAL, TRANSFORMERS_LIMITS, EnginePair, build_engine_case)
+                                     MLX_TRANSFORMERS, ORIGINAL, TRANSFORMERS_LIMITS, EnginePair)
 
 from _consumer_envs import consumer_python
 from _ledger import record, skip_if_all_unchanged, today
@@ -35,23 +35,11 @@ CONSUMERS = Path(__file__).resolve().parents[1] / "scripts" / "consumers"
 CHECK = CONSUMERS / "transformers" / "check.py"
 CONSUMER = "transformers"
 MLX = "mlx-lm"
-MLX_TRANSFORMERS = "5.24.0"  # the transformers of the MLX env (scripts/consumers/mlx/requirements.txt)
 FLOOR_FACTOR = 2.0  # pad-global's float32 logits may be this many times the original's own float32 error off float64
 # None in CI: twice under heavy load (2026-12-02) transformers 5.24.0 gave the E2B reference's float32 logits 0.04
 # off its own float64 ones (per-layer, the same tensors, 4e-4) with the same tokens, and never alone in 20+ runs:
 # unexplained, so the consumer rows stay `make compat`'s (run on a quiet machine) and CI checks their digests
 CI_ROW = None
-
-
-@pytest.fixture(scope="module")
-def engine_pairs(tmp_path_factory):
-    built: dict[str, EnginePair] = {}
-
-    def get(name: str) -> EnginePair:
-        if name not in built:
-            built[name] = build_engine_case(name, tmp_path_factory.mktemp("consumers"))
-        return built[name]
-    return get
 
 
 def _params() -> list:
@@ -111,9 +99,9 @@ def _variants(pair: EnginePair) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("name, transformers", _params())
-def test_transformers_loads_and_generates_like_the_original(engine_pairs, tmp_path, name, transformers):
+def test_transformers_loads_and_generates_like_the_original(engine_case, tmp_path, name, transformers):
     env = find_transformers_env(transformers)
-    pair = engine_pairs(name)
+    pair = engine_case(name)
     variants = _variants(pair)
     digests = {v: pair_digest(p / "target", p / "assistant") for v, p in variants.items()}
     skip_if_all_unchanged([consumer_row(name, v, env, env.transformers, d) for v, d in digests.items()])
@@ -176,7 +164,8 @@ def judge_mlx(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
         return FAIL, f"target: {got['target_error']}", {}
     delta = _max_diff(got["logits"], ref["logits"])
     figures = {"max_abs_vs_original": delta, "greedy_identical": got["greedy"] == ref["greedy"]}
-    problems = [] if figures["greedy_identical"] else [f"greedy tokens {got['greedy']} != the original's {ref['greedy']}"]
+    problems = [] if figures["greedy_identical"] else \
+        [f"greedy tokens {got['greedy']} != the original's {ref['greedy']}"]
     if variant != "pad-global" and delta != 0:
         problems.append(f"logits differ from the original's by up to {delta:.3g}")
     return (FAIL if problems else PASS), "; ".join(problems), figures
@@ -194,8 +183,8 @@ def mlx_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: s
 @pytest.mark.vllm027
 @pytest.mark.compat
 @pytest.mark.parametrize("name", MLX_SOURCES)
-def test_mlx_lm_loads_and_generates_like_the_original(engine_pairs, tmp_path, name):
-    pair = engine_pairs(name)
+def test_mlx_lm_loads_and_generates_like_the_original(engine_case, tmp_path, name):
+    pair = engine_case(name)
     variants = _variants(pair)
     if pair.original != pair.reference:  # the converter's input as transformers >= 5.15 writes it
         variants["as-resaved"] = pair.original

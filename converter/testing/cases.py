@@ -364,6 +364,7 @@ CONSUMER_TRANSFORMERS = ("5.8.0", LEGACY_TRANSFORMERS, "5.15.0", "5.19.0", NEWES
 # per_layer_config dialect (which mlx-lm cannot load: no flat global keys), the 26B-A4B MoE and E2B
 MLX_SOURCES = ("31b-per-layer-config", "26b-a4b-moe", "e2b")
 MLX_LM = "0.32.2"  # scripts/consumers/mlx/requirements.txt
+MLX_TRANSFORMERS = "5.24.0"  # the transformers of that env (mlx-lm reads configs and tokenizers with it)
 TRANSFORMERS_LIMITS = {"5.19.0": "generate(assistant_model=...) raises TypeError in "
                                  "SinglePositionMultiTokenCandidateGenerator (missing input_ids, model_kwargs)"}
 
