@@ -7,7 +7,8 @@ every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md
 whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
 
 usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] SPEC [SPEC ...]
---check install|consumer: run only that check's tests and replace only its rows (the others stay as the ledger has them).
+--check install|consumer: run only that check's tests and replace only its rows (the others stay as the ledger
+has them).
 exit: 0 ledger written; 1 a test failed or an env could not be built (the ledger is left as it was, and the rows
 that passed are kept in RESUME_FILE for `--resume`); 2 usage.
 """
@@ -28,7 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from converter.advice.compat import (CHECK_CONSUMER, CHECK_INSTALL, LEDGER_PATH, ledger_document, load_ledger,  # noqa: E402
+from converter.advice.compat import (CHECK_CONSUMER, CHECK_INSTALL, LEDGER_PATH,  # noqa: E402
+                                     ledger_document, load_ledger,
                                      render_markdown, row_from_dict, with_release_table)
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"

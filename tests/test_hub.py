@@ -423,7 +423,8 @@ def test_a_hub_target_alone_brings_its_published_assistant(sources, tmp_path, mo
     lines = result.out.splitlines()
     assert f"assistant: {ASSISTANT_REPO} (published beside {TARGET_REPO}; --assistant names another, " \
            "--target-only converts the target alone)" in lines
-    assert [line for line in lines if line.startswith("chosen: --layout ")][0].startswith(f"chosen: --layout {layout}: ")
+    chosen = [line for line in lines if line.startswith("chosen: --layout ")]
+    assert chosen[0].startswith(f"chosen: --layout {layout}: ")
     assert f"-> {tmp_path / 'out' / 'target'}" in result.out and f"-> {tmp_path / 'out' / 'assistant'}" in result.out
     assert not _weights_fetched(api)
     assert {c[1] for c in api.calls if c[0] == "get_safetensors_metadata"} == {TARGET_REPO, ASSISTANT_REPO}

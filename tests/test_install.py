@@ -109,8 +109,7 @@ def _env_of(spec: str) -> VllmEnv:
 @pytest.mark.parametrize("spec", CI_SPECS)
 def test_installing_beside_vllm_changes_no_installed_package(wheel, tmp_path, spec):
     env = _env_of(spec)
-    skip_if_unchanged((INSTALL_CASE, install_form(env.package), INSTALL_LAYOUT, "", env.vllm, env.transformers, 1, CHECK_INSTALL,
-                       ""), requirements_digest(wheel), env.torch)
+    skip_if_unchanged(install_row(env, wheel, [], []).key, requirements_digest(wheel), env.torch)
     check_install(env, wheel, tmp_path)
 
 
