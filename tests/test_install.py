@@ -1,7 +1,7 @@
 """Installing the tool never changes the environment a user serves from, and the built wheel works on its own.
 
 The wheel is built from this checkout's files (pyproject.toml, README.md, LICENSE, converter/) in tmp, never in the
-working tree. Into each stock vLLM env (scripts/vllm027/envs.sh) it is installed with `pip install --dry-run
+working tree. Into each stock vLLM env (scripts/consumers/vllm/envs.sh) it is installed with `pip install --dry-run
 --report`: any installed package the report would upgrade or downgrade fails the test (new packages are allowed).
 CI runs the four 0.27.0 envs it builds; `make compat` runs every env of the matrix and records ledger rows of check
 `install` (their digest: the wheel's runtime requirements, so a changed requirement makes them stale). A fresh venv

@@ -159,7 +159,7 @@ def test_every_stage_folder_is_a_package_with_a_docstring():
     ({"converter.read.checkpoint": {"converter.pipeline"}, "converter.pipeline": set()}, "back up the pipeline"),
     ({"converter.proof.verify": {"converter.advice.report"}, "converter.advice.report": set()}, "sibling rooms"),
     ({"converter.pipeline": {"converter.testing.synthetic"}, "converter.testing.synthetic": set()}, "testing/"),
-    ({"converter.cli.convert": {"scripts.vllm027.check"}}, "scripts/ is its own program"),
+    ({"converter.cli.convert": {"scripts.consumers.vllm.check"}}, "scripts/ is its own program"),
     ({"converter.plan": {"converter.layouts.base"}, "converter.layouts.base": {"converter.plan"}}, "a circle"),
     ({"converter.newroom.thing": set()}, "in no stage"),
 ])

@@ -114,7 +114,7 @@ def test_every_row_did_what_the_converter_predicted(ledger):
     # a few draft tokens flipped by the all-reduce's summation order (cases.ENGINE_TP_DRAFT_FLIPS), the
     # original's own included
     surprises = [s for s in surprises if not s.startswith("engine e2b pad-global")]
-    # and pad-global's fp32 drafts at TP 1 on a host whose kernels turn a near-tie over (tests/test_engine027.py)
+    # and pad-global's fp32 drafts at TP 1 on a host whose kernels turn a near-tie over (tests/test_vllm_engine.py)
     flips = {_row_text(r) for r in ledger if r.check == CHECK_ENGINE and (r.tp > 1 or r.layout == "pad-global")
              and _only_draft_flips(r.detail)}
     surprises = [s for s in surprises if s not in flips]

@@ -1,6 +1,6 @@
 """What inspect reports and recommends for each config dialect x serving environment (converter/advice/serving.py,
 advice/evidence.py): the ledger's measured verdicts where it holds rows of the checkpoint's shape, "not proven" with
-the nearest proven rows elsewhere. tests/test_vllm027.py checks the rules (`predict`) against the real stock loader
+the nearest proven rows elsewhere. tests/test_vllm_loader.py checks the rules (`predict`) against the real stock loader
 for every row it runs. `--serving-python` is exercised end to end with interpreters whose installed distributions
 are real `.dist-info` metadata directories; `--serving` declares the environment without one."""
 

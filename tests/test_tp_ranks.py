@@ -1,5 +1,5 @@
 """Tensor parallelism rank by rank: vLLM's own layers and weight loaders build every rank of TP 2, 4 and 8 from the
-original and from each conversion, and what the ranks hold adds up to the unsharded original (scripts/vllm027/
+original and from each conversion, and what the ranks hold adds up to the unsharded original (scripts/consumers/vllm/
 tp_check.py, in the vLLM 0.27.0 env of RANK_ENV). Rows of the ledger (`make compat`) with `tp`; vLLM checks none of
 this. Two negative controls must fail it: a padded target beside an unpadded assistant (geometry), and two KV heads
 swapped (every shape intact: only the summed outputs give it away).
@@ -27,7 +27,7 @@ from _vllm_envs import VllmEnv, find_env
 pytestmark = [pytest.mark.vllm027, pytest.mark.compat]
 
 REPO = Path(__file__).resolve().parents[1]
-TP_CHECK = REPO / "scripts" / "vllm027" / "tp_check.py"
+TP_CHECK = REPO / "scripts" / "consumers" / "vllm" / "tp_check.py"
 LAYOUTS = ("per-layer", "pad-global")
 TIMEOUT_S = 1800
 

@@ -5,7 +5,7 @@ converter/gemma4.py (DUAL_KEYS) relies on three things no transformers release p
 builds its own per_layer_config from them), an `attribute_map` from config.json becomes an instance attribute that
 shadows the (empty) class map, and `allow_global_per_layer_attribute_access` lets callers read the flat sliding
 `head_dim` / `num_key_value_heads` of a heterogeneous config. For each transformers version of the matrix,
-scripts/vllm027/transformers_probe.py runs in a python that has exactly that version and reports what AutoConfig
+scripts/consumers/vllm/transformers_probe.py runs in a python that has exactly that version and reports what AutoConfig
 gives vLLM, transformers' own per-layer geometry, and the attention shapes of transformers' Gemma 4 model classes
 built on the meta device. A release that changes any of it fails here, never silently at a user's.
 
@@ -33,9 +33,9 @@ from _vllm_envs import VllmEnv, _all_envs, _version_key, missing_env
 pytestmark = pytest.mark.compat
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = REPO / "scripts" / "vllm027" / "transformers_probe.py"
+PROBE = REPO / "scripts" / "consumers" / "vllm" / "transformers_probe.py"
 # 5.14.1: the last release before per_layer_config; 5.15.0: the first with it; 5.19.0: one in between; "newest":
-# the highest transformers among the envs (scripts/vllm027 builds the newest 5.x the index serves).
+# the highest transformers among the envs (scripts/consumers/vllm builds the newest 5.x the index serves).
 MATRIX = ("5.14.1", "5.15.0", "5.19.0", "newest")
 FIRST_PER_LAYER = (5, 15)
 PRESETS = {"31b": True, "e2b": False}  # preset -> multimodal target (31B: k_eq_v; E2B: KV-shared, no k_eq_v)
@@ -53,7 +53,7 @@ def transformers_pythons() -> dict[str, VllmEnv]:
     missing = [name for name, env in found.items() if env is None]
     if missing or newest in {"5.14.1", "5.15.0", "5.19.0"}:
         missing_env(f"transformers {', '.join(missing) or 'newer than 5.19.0'} not found among the vLLM envs "
-                    f"(found: {', '.join(sorted(envs, key=_version_key)) or 'none'}); build them with scripts/vllm027")
+                    f"(found: {', '.join(sorted(envs, key=_version_key)) or 'none'}); build them with scripts/consumers/vllm")
     return found  # type: ignore[return-value]
 
 

@@ -57,7 +57,7 @@ class LedgerRow:
     kv_heads: str = ""
     # "pair": the row stands for a published checkpoint in this form; "draft": only the draft was proven (the
     # synthetic target lacks tensors published ones carry), so it says nothing about serving the target; "ranks":
-    # vLLM's layers and loaders built as every rank of TP `tp` (scripts/vllm027/tp_check.py), summed over ranks
+    # vLLM's layers and loaders built as every rank of TP `tp` (scripts/consumers/vllm/tp_check.py), summed over ranks
     scope: str = "pair"
     consumer: str = VLLM  # who loads the checked pair: "vllm", "transformers", ...
     consumer_version: str = ""  # that consumer's release (a vLLM row: its vLLM release)

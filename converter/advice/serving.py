@@ -1,7 +1,7 @@
 """Which vLLM + transformers serve a Gemma 4 config as it is, and which layout to convert to where they do not.
 
 Pure, except `read_serving_env`, which asks the user's serving python for its vLLM and transformers versions.
-The outcomes are the ones the loader matrix measures (tests/test_vllm027.py asserts `predict` against the real
+The outcomes are the ones the loader matrix measures (tests/test_vllm_loader.py asserts `predict` against the real
 stock loader for every row it runs; docs/VLLM_CHECK.md): FACTS.md sections 3, 7 and 8.
 """
 

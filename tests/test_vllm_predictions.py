@@ -1,5 +1,5 @@
 """Issue 16: `inspect`'s vLLM 0.27 prediction for a checkpoint whose config contradicts its tensors, checked against
-what the stock vLLM 0.27.0 loader really does (scripts/vllm027/check.py inside the transformers 5.14.1 env).
+what the stock vLLM 0.27.0 loader really does (scripts/consumers/vllm/check.py inside the transformers 5.14.1 env).
 
 Each row breaks one config key of a tiny synthetic pair, asks `gemma4-convert inspect --json` what vLLM will do
 (inspect must exit 3: it reports problems), then loads the pair with the real loader:
@@ -20,7 +20,7 @@ import pytest
 
 from converter.testing.synthetic import tiny_preset, write_pair
 from _vllm_envs import LEGACY_TRANSFORMERS, find_env
-from test_vllm027 import LOADER_PACKAGE, run_checker
+from test_vllm_loader import LOADER_PACKAGE, run_checker
 
 pytestmark = pytest.mark.vllm027
 

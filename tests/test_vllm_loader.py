@@ -1,8 +1,8 @@
 """Converted outputs against the REAL stock vLLM 0.27.0 loader, on CPU (docs/VLLM_CHECK.md).
 
 The matrix tests (marker ``vllm027``) write tiny synthetic pairs, convert them with the
-`gemma4-convert` CLI, and run scripts/vllm027/check.py as a subprocess inside each vLLM venv
-(scripts/vllm027/envs.sh, package `vllm`): one with transformers 5.14.1, one with the newest 5.x. They assert on
+`gemma4-convert` CLI, and run scripts/consumers/vllm/check.py as a subprocess inside each vLLM venv
+(scripts/consumers/vllm/envs.sh, package `vllm`): one with transformers 5.14.1, one with the newest 5.x. They assert on
 the checker's --json result: which stage failed and with which exception, or that every loaded
 tensor matched and the KV-sharing geometry is consistent.
 
@@ -40,7 +40,7 @@ from _ledger import record, recording, reusing, skip_if_unchanged, today, unchan
 from _vllm_envs import VllmEnv, find_env
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKER = REPO / "scripts" / "vllm027" / "check.py"
+CHECKER = REPO / "scripts" / "consumers" / "vllm" / "check.py"
 # the package whose envs the load check runs in (docs/VLLM_CHECK.md, "Which vLLM package")
 LOADER_PACKAGE = "vllm"
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"

@@ -1,4 +1,4 @@
-"""Import-only stand-in for torchvision (scripts/vllm027/cpu_shim.py puts this folder on sys.path).
+"""Import-only stand-in for torchvision (scripts/consumers/vllm/cpu_shim.py puts this folder on sys.path).
 
 transformers 5.14.1's ``models/gemma4/image_processing_gemma4.py`` imports
 ``torchvision.transforms.v2.functional`` at import time, and vLLM 0.27.0's ``gemma4_mm.py``
@@ -34,7 +34,7 @@ class Unavailable:
     def __call__(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(
             f"{self._qualname} was called, but torchvision here is an import-only stand-in "
-            "(scripts/vllm027/standins/torchvision): a load check processes no image"
+            "(scripts/consumers/vllm/standins/torchvision): a load check processes no image"
         )
 
     def __repr__(self) -> str:

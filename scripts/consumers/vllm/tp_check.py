@@ -18,10 +18,10 @@ weight loading only: no collective, no forward pass of vLLM's), and for every ra
 
 The original pair is also run through the check (its own rows): vLLM's sharding of an unconverted pair is exact too.
 
-Runs INSIDE a vLLM env (scripts/vllm027/envs.sh), reusing check.py's configuration and stand-ins; never imports the
+Runs INSIDE a vLLM env (scripts/consumers/vllm/envs.sh), reusing check.py's configuration and stand-ins; never imports the
 converter package. Exit 0 every rank of every size passes, 1 a check failed, 2 a stage raised, 3 bad arguments.
 
-usage: python scripts/vllm027/tp_check.py --original DIR --pair DIR [--pair DIR ...] --tp 2 --tp 4 --tp 8
+usage: python scripts/consumers/vllm/tp_check.py --original DIR --pair DIR [--pair DIR ...] --tp 2 --tp 4 --tp 8
            [--json FILE]        (each DIR holds target/ and assistant/)
 """
 
