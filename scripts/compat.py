@@ -36,10 +36,11 @@ from converter.advice.compat import (CHECK_CONSUMER, CHECK_INSTALL, LEDGER_PATH,
 DOC = REPO / "docs" / "COMPATIBILITY.md"
 README = REPO / "README.md"
 RESUME_FILE = Path.home() / ".cache" / "gemma4-convert" / "compat-resume.jsonl"
+CONSUMER_TESTS = tuple(f"tests/{p.name}" for p in sorted((REPO / "tests").glob("test_consumer_*.py")))
 TESTS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/test_transformers_pins.py",
-         "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", "tests/test_consumers.py")
+         "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", *CONSUMER_TESTS)
 # --check: the tests that record only that check
-CHECK_TESTS = {CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: ("tests/test_consumers.py",)}
+CHECK_TESTS = {CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: CONSUMER_TESTS}
 
 
 def build_envs(specs: list[str]) -> tuple[list[str], float]:

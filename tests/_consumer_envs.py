@@ -2,6 +2,8 @@
 
 It lives under ~/.cache/gemma4-convert/consumer-envs/<name>-<first 12 hex of the requirements' sha256> (or
 GEMMA4_CONSUMER_ENVS) and is reused while its requirements are unchanged; a half-built one (no stamp) is rebuilt.
+A consumer whose folder holds setup_env.py (what pip cannot install, e.g. llama.cpp's GGUF converter) has it run
+under the env's python with the env's path once the requirements are in; it is part of the digest.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ def consumer_python(name: str) -> Path:
     Raises:
         RuntimeError: the env could not be built (pip's last lines in the message).
     """
-    requirements = REPO / "scripts" / "consumers" / name / "requirements.txt"
-    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()[:12]
+    folder = REPO / "scripts" / "consumers" / name
+    requirements, setup = folder / "requirements.txt", folder / "setup_env.py"
+    digest = hashlib.sha256(requirements.read_bytes() + (setup.read_bytes() if setup.is_file() else b"")).hexdigest()[:12]
     root = Path(os.environ.get("GEMMA4_CONSUMER_ENVS") or Path.home() / ".cache" / "gemma4-convert" / "consumer-envs")
     env = root / f"{name}-{digest}"
     python = env / "bin" / "python"
@@ -37,5 +40,9 @@ def consumer_python(name: str) -> Path:
                           text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"building the {name} env {env} failed: {proc.stderr.strip()[-1500:]}")
+    if setup.is_file():
+        proc = subprocess.run([str(python), str(setup), str(env)], capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{setup} for the {name} env {env} failed: {proc.stderr.strip()[-1500:]}")
     (env / STAMP).write_text(digest + "\n")
     return python

@@ -113,7 +113,7 @@ def missing_env(message: str) -> None:
 
 def find_transformers_env(transformers: str) -> VllmEnv:
     """Any built env holding transformers `transformers` (a release, or "newest": the highest found), for checks
-    that import only transformers and torch (tests/test_consumers.py); skip (or fail in CI) when none has it."""
+    that import only transformers and torch (tests/test_consumer_transformers.py); skip (or fail in CI) when none has it."""
     envs = list(_all_envs())
     if transformers == "newest":
         found = max(envs, key=lambda e: _version_key(e.transformers), default=None)

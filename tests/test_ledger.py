@@ -16,11 +16,12 @@ import pytest
 
 from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, INSTALL_CASE,
                                      INSTALL_LAYOUT,
-                                     LEDGER_PATH, PASS, LedgerRow, load_ledger, render_markdown, render_table,
+                                     LEDGER_PATH, PASS, VLLM, LedgerRow, load_ledger, render_markdown, render_table,
                                      stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, MLX_SOURCES,
+from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, LLAMACPP_SOURCES,
+                                     LLAMACPP_TRANSFORMERS, MLX_SOURCES,
                                      MLX_TRANSFORMERS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                      ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
                                      LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED, NEWEST, RANK_ENV, RANK_SOURCES,
@@ -87,12 +88,15 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
         want.add((CHECK_INSTALL, INSTALL_CASE, INSTALL_LAYOUT, vllm, tf, "", 1))
     consumer_newest = max((r.transformers for r in ledger if r.check == CHECK_CONSUMER), key=version_key,
                           default=NEWEST)
-    want |= {(CHECK_CONSUMER, name, variant, "", consumer_newest if tf == NEWEST else tf, "", 1)
+    want |= {(CHECK_CONSUMER, name, variant, "", consumer_newest if tf == NEWEST else tf, "", 1, "transformers")
              for name in CONSUMER_SOURCES for variant in (ORIGINAL, "per-layer", "pad-global")
              for tf in CONSUMER_TRANSFORMERS}
-    want |= {(CHECK_CONSUMER, name, variant, "", MLX_TRANSFORMERS, "", 1) for name in MLX_SOURCES
-             for variant in (ORIGINAL, "per-layer", "pad-global")}
-    have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype, r.tp) for r in ledger}
+    for consumer, sources, tf in (("mlx-lm", MLX_SOURCES, MLX_TRANSFORMERS),
+                                  ("llama.cpp", LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS)):
+        want |= {(CHECK_CONSUMER, name, variant, "", tf, "", 1, consumer) for name in sources
+                 for variant in (ORIGINAL, "per-layer", "pad-global")}
+    want = {w if len(w) == 8 else (*w, VLLM) for w in want}  # the rows above are vLLM's
+    have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype, r.tp, r.consumer) for r in ledger}
     assert not want - have, f"matrix rows the ledger lacks (run make compat): {sorted(want - have)}"
     assert not have - want, f"ledger rows no matrix row asks for: {sorted(have - want)}"
 

@@ -22,7 +22,7 @@ CHECK_LOADER, CHECK_ENGINE = "loader", "engine"
 # the tool's wheel installed (pip --dry-run) into the env: verdict pass when no installed package would change
 CHECK_INSTALL = "install"
 # another consumer of an uploaded pair (row.consumer: transformers, ...) loads it and computes what it computes for
-# the original (tests/test_consumers.py)
+# the original (tests/test_consumer_*.py)
 CHECK_CONSUMER = "consumer"
 VLLM = "vllm"
 INSTALL_CASE, INSTALL_LAYOUT = "gemma4-convert", "tool"
@@ -69,7 +69,7 @@ class LedgerRow:
     @property
     def key(self) -> tuple:
         return (self.case, self.form, self.layout, self.options, self.vllm, self.transformers, self.tp, self.check,
-                self.dtype)
+                self.dtype, self.consumer)
 
     @property
     def variant(self) -> str:
@@ -347,12 +347,14 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "`tests/test_install.py`), and the layout the measurements recommend (what `inspect --serving vllm==X` "
            "answers).", "", render_release_markdown(rows).rstrip("\n"), "",
            "## Other consumers", "", "The same synthetic pairs loaded by another consumer of an uploaded repo "
-           "(consumer rows: `tests/test_consumers.py`): transformers' `from_pretrained` of target and assistant, the "
+           "(consumer rows: `tests/test_consumer_*.py`): transformers' `from_pretrained` of target and assistant, the "
            "target's float32 logits against the original's (per-layer: identical; pad-global: within 2x the "
            "original's own float32 error against float64) and greedy `generate` with and without `assistant_model` "
            "giving the original's tokens; mlx-lm (CPU backend) `load_model` of the text targets, float32 logits "
-           "(per-layer identical) and greedy tokens equal to the original's. An original row that fails is the "
-           "consumer's own limit; the layouts' rows then show they fail the same way.", "",
+           "(per-layer identical) and greedy tokens equal to the original's; llama.cpp's `convert_hf_to_gguf.py` of "
+           "target and assistant (per-layer: GGUF identical to the original's) and greedy tokens of the target in its "
+           "runtime equal to the original's, the draft's KV geometry equal to the target layer it reads. An original "
+           "row that fails is the consumer's own limit; the layouts' rows then show they fail the same way.", "",
            render_consumer_markdown(rows).rstrip("\n"), "",
            "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",
            "|---|---|---|---|---|---|---|---|"]

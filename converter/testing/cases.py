@@ -353,7 +353,7 @@ ENGINE_TP_SIZES = (2,)
 # the engine test accepts and the ledger check names an open finding rather than a surprise
 ENGINE_TP_DRAFT_FLIPS = 0.02
 ENGINE_LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed command is the one served over HTTP
-# other consumers of an uploaded pair (tests/test_consumers.py): the engine cases (real head sizes, varied greedy
+# other consumers of an uploaded pair (tests/test_consumer_*.py): the engine cases (real head sizes, varied greedy
 # output), original and both layouts, under each transformers release: 5.8.0 (the first with gemma4_assistant),
 # 5.14.1 (the last before per_layer_config), 5.15.0 (the first with it), 5.19.0, and the newest
 CONSUMER_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "e2b")
@@ -365,6 +365,11 @@ CONSUMER_TRANSFORMERS = ("5.8.0", LEGACY_TRANSFORMERS, "5.15.0", "5.19.0", NEWES
 MLX_SOURCES = ("31b-per-layer-config", "26b-a4b-moe", "e2b")
 MLX_LM = "0.32.2"  # scripts/consumers/mlx/requirements.txt
 MLX_TRANSFORMERS = "5.24.0"  # the transformers of that env (mlx-lm reads configs and tokenizers with it)
+# llama.cpp (tests/test_consumer_llamacpp.py): its GGUF converter and runtime as llama-cpp-python's sdist vendors them
+# (scripts/consumers/llamacpp/requirements.txt), on the same cases as mlx-lm
+LLAMACPP_SOURCES = MLX_SOURCES
+LLAMACPP = "0.3.36 (llama-cpp-python)"
+LLAMACPP_TRANSFORMERS = "4.57.6"  # what its convert_hf_to_gguf.py requirements pin (AutoConfig fails: config.json is read)
 TRANSFORMERS_LIMITS = {"5.19.0": "generate(assistant_model=...) raises TypeError in "
                                  "SinglePositionMultiTokenCandidateGenerator (missing input_ids, model_kwargs)"}
 

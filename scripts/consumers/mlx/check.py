@@ -5,7 +5,7 @@ A program of its own: it runs under the python of the MLX env (scripts/consumers
 imports the converter, and writes one JSON document. For the reference pair and each pair given: the target through
 `mlx_lm.utils.load_model` (strict: every weight must have the shape the config implies), cast to float32 (MLX's CPU
 gather-mm of MoE experts takes float32 only), the logits of a fixed prompt and NEW_TOKENS greedy tokens. A target
-mlx-lm cannot load records the error (one line); the caller judges (tests/test_consumers.py).
+mlx-lm cannot load records the error (one line); the caller judges (tests/test_consumer_mlx.py).
 
 usage: check.py --reference PAIR [--pair NAME=PAIR ...] --json OUT   (PAIR: a directory holding target/)
 """

@@ -11,7 +11,7 @@ For the reference pair and each pair given, in float32 on the CPU:
 - the assistant through AutoModelForCausalLM `from_pretrained`, then greedy `generate(assistant_model=...)` of the
   target: its tokens, and plain greedy tokens of the target alone.
 
-A pair that transformers cannot build records the error (one line) instead; the caller judges (tests/test_consumers.py).
+A pair that transformers cannot build records the error (one line) instead; the caller judges (tests/test_consumer_transformers.py).
 
 usage: check.py --reference PAIR [--pair NAME=PAIR ...] --json OUT   (PAIR: a directory holding target/, assistant/)
 """

@@ -1,7 +1,7 @@
-"""Other consumers of an uploaded pair load it and compute what they compute for the original (ledger check
-`consumer`; docs/COMPATIBILITY.md, "Other consumers").
+"""transformers loads an uploaded pair and computes what it computes for the original (ledger check `consumer`;
+docs/COMPATIBILITY.md, "Other consumers").
 
-transformers, under every release of cases.CONSUMER_TRANSFORMERS, in an env that holds it (a cached vLLM env serves:
+Under every release of cases.CONSUMER_TRANSFORMERS, in an env that holds it (a cached vLLM env serves:
 scripts/consumers/transformers/check.py imports only transformers and torch): for each engine case of
 CONSUMER_SOURCES (real head sizes, varied greedy output), the original, per-layer and pad-global pairs through
 `from_pretrained`, in float32 on the CPU:
@@ -16,25 +16,17 @@ CONSUMER_SOURCES (real head sizes, varied greedy output), the original, per-laye
 
 from __future__ import annotations
 
-import json
-import subprocess
-from pathlib import Path
-
 import pytest
 
 from converter.advice.compat import CHECK_CONSUMER, FAIL, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, ENGINE_SOURCES, MLX_LM, MLX_SOURCES,
-                                     MLX_TRANSFORMERS, ORIGINAL, TRANSFORMERS_LIMITS, EnginePair)
+from converter.testing.cases import CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, ENGINE_SOURCES, ORIGINAL, TRANSFORMERS_LIMITS
 
-from _consumer_envs import consumer_python
+from _consumers import assert_varied, max_diff, run_check, variants
 from _ledger import record, skip_if_all_unchanged, today
 from _vllm_envs import VllmEnv, find_transformers_env
 
-CONSUMERS = Path(__file__).resolve().parents[1] / "scripts" / "consumers"
-CHECK = CONSUMERS / "transformers" / "check.py"
 CONSUMER = "transformers"
-MLX = "mlx-lm"
 FLOOR_FACTOR = 2.0  # pad-global's float32 logits may be this many times the original's own float32 error off float64
 # None in CI: twice under heavy load (2026-12-02) transformers 5.24.0 gave the E2B reference's float32 logits 0.04
 # off its own float64 ones (per-layer, the same tensors, 4e-4) with the same tokens, and never alone in 20+ runs:
@@ -47,21 +39,15 @@ def _params() -> list:
                          id=f"{name}-{tf}") for tf in CONSUMER_TRANSFORMERS for name in CONSUMER_SOURCES]
 
 
-def _max_diff(a: list | None, b: list | None) -> float | None:
-    if a is None or b is None:
-        return None
-    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
-
-
 def judge(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
     """(verdict, detail, figures) of one variant against the original's results in the same transformers."""
     if "crash" in got:
         return FAIL, f"check crashed: {got['crash'].splitlines()[-1]}", {}
     if got["target_error"]:
         return FAIL, f"target: {got['target_error']}", {}
-    floor = _max_diff(ref.get("logits"), ref.get("logits_float64"))
+    floor = max_diff(ref.get("logits"), ref.get("logits_float64"))
     against = ref["logits"] if variant in (ORIGINAL, "per-layer") else ref.get("logits_float64")
-    delta = _max_diff(got["logits"], against)
+    delta = max_diff(got["logits"], against)
     figures = {"max_abs_vs_original": delta, "noise_floor": floor, "greedy_identical": got["greedy"] == ref["greedy"],
                "assisted_identical": got["assisted"] is not None and got["assisted"] == ref["assisted"],
                "assistant_error": got["assistant_error"]}
@@ -93,29 +79,18 @@ def consumer_row(name: str, variant: str, env: VllmEnv, version: str, digest: st
                      consumer=CONSUMER, consumer_version=version)
 
 
-def _variants(pair: EnginePair) -> dict[str, Path]:
-    """original (the reference: flat keys, what the consumer reads as published) and both layouts."""
-    return {ORIGINAL: pair.reference, **{layout: pair.converted[layout][0] for layout in ("per-layer", "pad-global")}}
-
-
 @pytest.mark.parametrize("name, transformers", _params())
 def test_transformers_loads_and_generates_like_the_original(engine_case, tmp_path, name, transformers):
     env = find_transformers_env(transformers)
     pair = engine_case(name)
-    variants = _variants(pair)
-    digests = {v: pair_digest(p / "target", p / "assistant") for v, p in variants.items()}
+    pairs = variants(pair)
+    digests = {v: pair_digest(p / "target", p / "assistant") for v, p in pairs.items()}
     skip_if_all_unchanged([consumer_row(name, v, env, env.transformers, d) for v, d in digests.items()])
-    out = tmp_path / "report.json"
-    proc = subprocess.run([str(env.python), str(CHECK), "--reference", str(pair.reference),
-                           *[f"--pair={v}={p}" for v, p in variants.items()], "--json", str(out)],
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = run_check(env.python, CONSUMER, pair.reference, pairs, tmp_path / "report.json")
     assert report["transformers"] == env.transformers
     ref = report["pairs"]["reference"]
     assert "crash" not in ref and ref["target_error"] is None, ref
-    new_tokens = ref["greedy"][-8:]
-    assert len(set(new_tokens)) > len(new_tokens) // 2, f"degenerate reference output {ref['greedy']}"
+    assert_varied(ref["greedy"])
     rows = []
     for variant, digest in digests.items():
         verdict, detail, figures = judge(variant, report["pairs"][variant], ref)
@@ -155,64 +130,3 @@ def test_the_card_lists_what_each_consumer_proved_for_its_layout(layout, tmp_pat
                f"{c[layout]['passed']}/{c[layout]['rows']} synthetic cases" in card
 
 
-# ------------------------------------------------------------------------------------------------------------- MLX
-
-def judge_mlx(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
-    """mlx-lm's greedy tokens equal the original's; per-layer's logits identical (pad-global's difference is a
-    figure: the tokens are the check)."""
-    if got["target_error"]:
-        return FAIL, f"target: {got['target_error']}", {}
-    delta = _max_diff(got["logits"], ref["logits"])
-    figures = {"max_abs_vs_original": delta, "greedy_identical": got["greedy"] == ref["greedy"]}
-    problems = [] if figures["greedy_identical"] else \
-        [f"greedy tokens {got['greedy']} != the original's {ref['greedy']}"]
-    if variant != "pad-global" and delta != 0:
-        problems.append(f"logits differ from the original's by up to {delta:.3g}")
-    return (FAIL if problems else PASS), "; ".join(problems), figures
-
-
-def mlx_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: str = "",
-            figures: dict | None = None) -> LedgerRow:
-    return LedgerRow(case=name, form=ENGINE_SOURCES[name].form, layout=variant, vllm="", transformers=MLX_TRANSFORMERS,
-                     torch="",
-                     torch_pin=True, check=CHECK_CONSUMER, verdict=verdict, expected=PASS, digest=digest,
-                     measured=today(), vllm_package="", detail=detail, figures=figures or {}, consumer=MLX,
-                     consumer_version=MLX_LM)
-
-
-@pytest.mark.vllm027
-@pytest.mark.compat
-@pytest.mark.parametrize("name", MLX_SOURCES)
-def test_mlx_lm_loads_and_generates_like_the_original(engine_case, tmp_path, name):
-    pair = engine_case(name)
-    variants = _variants(pair)
-    if pair.original != pair.reference:  # the converter's input as transformers >= 5.15 writes it
-        variants["as-resaved"] = pair.original
-    digests = {v: pair_digest(p / "target", p / "assistant") for v, p in variants.items() if v != "as-resaved"}
-    skip_if_all_unchanged([mlx_row(name, v, d) for v, d in digests.items()])
-    out = tmp_path / "report.json"
-    proc = subprocess.run([str(consumer_python("mlx")), str(CONSUMERS / "mlx" / "check.py"), "--reference",
-                           str(pair.reference), *[f"--pair={v}={p}" for v, p in variants.items()], "--json", str(out)],
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["mlx_lm"] == MLX_LM and report["transformers"] == MLX_TRANSFORMERS
-    assert report["device"].startswith("Device(cpu")
-    ref = report["pairs"]["reference"]
-    assert ref["target_error"] is None, ref
-    assert len(set(ref["greedy"][-8:])) > 4, f"degenerate reference output {ref['greedy']}"
-    if "as-resaved" in variants:  # what this tool mends for MLX: no flat global keys, full layers mis-sized
-        assert report["pairs"]["as-resaved"]["target_error"].startswith("ValueError: Expected shape"), report
-    rows = [mlx_row(name, v, d, *judge_mlx(v, report["pairs"][v], ref)) for v, d in digests.items()]
-    failed = [f"{r.layout}: {r.detail}" for r in rows if r.verdict != PASS]
-    assert not failed, "\n".join(failed)
-    for row in rows:
-        record(row)
-
-
-def test_the_mlx_judge_can_fail():
-    ref = {"target_error": None, "greedy": [1, 2, 3], "logits": [[1.0, 2.0]]}
-    assert judge_mlx("per-layer", {**ref, "logits": [[1.0, 2.5]]}, ref)[0] == FAIL
-    assert judge_mlx("pad-global", {**ref, "logits": [[1.0, 2.5]]}, ref)[0] == PASS
-    assert judge_mlx("pad-global", {**ref, "greedy": [1, 2, 4]}, ref)[0] == FAIL
-    assert judge_mlx("per-layer", {"target_error": "ValueError: x"}, ref)[0] == FAIL

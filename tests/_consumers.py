@@ -1,0 +1,44 @@
+"""What the consumer tests (tests/test_consumer_*.py) share: the pairs a consumer compares, running its check
+program (scripts/consumers/<consumer>/check.py) under the consumer's own interpreter, and the arithmetic of
+comparing logits.
+
+A consumer row (ledger check `consumer`) is one variant of one engine case in one consumer release: the original
+(flat keys, what the consumer reads as published) and both layouts, against the original's results in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from converter.testing.cases import ORIGINAL, EnginePair
+
+CONSUMERS = Path(__file__).resolve().parents[1] / "scripts" / "consumers"
+
+
+def variants(pair: EnginePair) -> dict[str, Path]:
+    """original (the reference: flat keys, what the consumer reads as published) and both layouts."""
+    return {ORIGINAL: pair.reference, **{layout: pair.converted[layout][0] for layout in ("per-layer", "pad-global")}}
+
+
+def run_check(python: Path, consumer: str, reference: Path, pairs: dict[str, Path], out: Path) -> dict:
+    """The JSON report of scripts/consumers/<consumer>/check.py run under `python` on the reference and `pairs`."""
+    proc = subprocess.run([str(python), str(CONSUMERS / consumer / "check.py"), "--reference", str(reference),
+                           *[f"--pair={name}={path}" for name, path in pairs.items()], "--json", str(out)],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def max_diff(a: list | None, b: list | None) -> float | None:
+    """max |a - b| over two logits matrices (None when either is missing)."""
+    if a is None or b is None:
+        return None
+    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+def assert_varied(tokens: list[int]) -> None:
+    """The reference's new tokens are not one token repeated: a comparison of degenerate outputs proves little."""
+    new = tokens[-8:]
+    assert len(set(new)) > len(new) // 2, f"degenerate reference output {tokens}"
