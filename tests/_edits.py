@@ -29,10 +29,12 @@ def edit_tensors(target: Path, names: list[str], edit) -> None:
 
 def swap_kv_heads(target: Path, layer: int = 0, head_dim: int | None = None) -> None:
     """Swaps KV heads 0 and 1 of one layer's k_proj and v_proj (q untouched; a k_eq_v layer has no v_proj): shapes
-    unchanged, meaning broken. head_dim: the layer's (default the sliding head_dim)."""
+    unchanged, meaning broken. head_dim: the layer's (default the sliding head_dim). A pack-quantized projection
+    swaps the rows of its int4 codes and of its scales alike."""
     text, prefix = _text_prefix(target)
     d = head_dim or text["head_dim"]
-    names = [f"{prefix}layers.{layer}.self_attn.{p}.weight" for p in ("k_proj", "v_proj")]
+    names = [f"{prefix}layers.{layer}.self_attn.{p}.{t}" for p in ("k_proj", "v_proj")
+             for t in ("weight", "weight_packed", "weight_scale")]
     present = set()
     for shard in target.glob("*.safetensors"):
         present |= set(load_file(str(shard)))

@@ -20,13 +20,13 @@ from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL
                                      stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, LLAMACPP_SOURCES,
-                                     LLAMACPP_TRANSFORMERS, MLX_SOURCES, SGLANG_RELEASES, SGLANG_SOURCES,
-                                     MLX_TRANSFORMERS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
-                                     ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
-                                     LEGACY_TRANSFORMERS, LOADER_ROWS, MIXED, NEWEST, RANK_ENV, RANK_SOURCES,
-                                     RANK_TP_SIZES, RELEASES, build_loader_case, case_digests, env_specs,
-                                     engine_transformers)
+from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, ENGINE_RELEASE_SOURCES,
+                                     ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES,
+                                     ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS,
+                                     LOADER_ROWS, MIXED, MLX_SOURCES, MLX_TRANSFORMERS, NEWEST, ORIGINAL, RANK_ENV,
+                                     RANK_SOURCES, RANK_TP_SIZES, RELEASES, SGLANG_RELEASES, SGLANG_SOURCES,
+                                     W4A16_ENGINE_CASE, W4A16_ENGINE_ENVS, build_loader_case, case_digests,
+                                     engine_transformers, env_specs)
 
 from _wheel import requirements_digest
 
@@ -76,6 +76,8 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
         tfs = [_newest(ledger, release.vllm, CHECK_ENGINE) if t == NEWEST else t for t in engine_transformers(release)]
         want |= {(CHECK_ENGINE, name, layout, release.vllm, tf, dtype, 1) for name in ENGINE_RELEASE_SOURCES
                  for layout in ("per-layer", "pad-global") for tf in tfs for dtype in ENGINE_SOURCES[name].dtypes}
+    want |= {(CHECK_ENGINE, W4A16_ENGINE_CASE, layout, vllm, tf, "bfloat16", 1) for vllm, tf in W4A16_ENGINE_ENVS
+             for layout in ("per-layer", "pad-global")}
     # a release without engine rows has one row per variant saying why (test_vllm_engine.py)
     want |= {(CHECK_ENGINE, ENGINE_RELEASE_SOURCES[0], layout, release.vllm, "", "float32", 1)
              for release in RELEASES if not release.engine for layout in (ORIGINAL, "per-layer", "pad-global")}
@@ -122,6 +124,9 @@ def test_every_row_did_what_the_converter_predicted(ledger):
     # a few draft tokens flipped by the all-reduce's summation order (cases.ENGINE_TP_DRAFT_FLIPS), the
     # original's own included
     surprises = [s for s in surprises if not s.startswith("engine e2b pad-global")]
+    # and pad-global's W4A16 pair in bf16, which re-sums padded heads where this model's bf16 error turns the order
+    # into other tokens (tests/test_vllm_engine.py test_w4a16_pair_generates_like_the_original_w4a16)
+    surprises = [s for s in surprises if not s.startswith(f"engine {W4A16_ENGINE_CASE} pad-global")]
     # and pad-global's fp32 drafts at TP 1 on a host whose kernels turn a near-tie over (tests/test_vllm_engine.py)
     flips = {_row_text(r) for r in ledger if r.check == CHECK_ENGINE and (r.tp > 1 or r.layout == "pad-global")
              and _only_draft_flips(r.detail)}

@@ -192,9 +192,10 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
         engine = [r for r in mine if r.check == CHECK_ENGINE and r.verdict != NOT_RUN]
         not_run = [r.detail for r in mine if r.check == CHECK_ENGINE and r.verdict == NOT_RUN]
         install = [r for r in mine if r.check == CHECK_INSTALL]
-        lines.append({"vllm": vllm, "packages": sorted({r.vllm_package for r in mine}),
-                      "off_pin": any(not r.torch_pin for r in mine),
-                      "transformers": sorted({r.transformers for r in mine}, key=version_key), **cells,
+        ran = [r for r in mine if r.verdict != NOT_RUN]  # a reason row names no env
+        lines.append({"vllm": vllm, "packages": sorted({r.vllm_package for r in ran}),
+                      "off_pin": any(not r.torch_pin for r in ran),
+                      "transformers": sorted({r.transformers for r in ran if r.transformers}, key=version_key), **cells,
                       "engine": {**_passed_cell(engine, failure=lambda r: r.detail),
                                  "reason": not_run[0] if not_run and not engine else None},
                       "install": _passed_cell(install, failure=lambda r: r.detail),
@@ -359,7 +360,9 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "giving the original's tokens; mlx-lm (CPU backend) `load_model` of the text targets, float32 logits "
            "(per-layer identical) and greedy tokens equal to the original's; llama.cpp's `convert_hf_to_gguf.py` of "
            "target and assistant (per-layer: GGUF identical to the original's) and greedy tokens of the target in its "
-           "runtime equal to the original's, the draft's KV geometry equal to the target layer it reads. An original "
+           "runtime equal to the original's, the draft's KV geometry equal to the target layer it reads; SGLang's "
+           "config reading and loaders on CPU (every tensor equal to the checkpoint's, the draft's KV geometry equal "
+           "to the target layer it reads, no forward). An original "
            "row that fails is the consumer's own limit; the layouts' rows then show they fail the same way.", "",
            render_consumer_markdown(rows).rstrip("\n"), "",
            "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",

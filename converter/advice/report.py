@@ -234,7 +234,7 @@ def _drift(checkpoint: Checkpoint) -> dict[str, Any]:
         what = "config.json differs from what the recorded layout writes"
     serves, fails = releases_where(shape_of(spec, fused=False))
     breaks = (f"stock vLLM {', '.join(fails)} (measured: ledger rows of this config form)" if fails else
-              "no vLLM release measured") + "; MLX (mlx-lm) reads the flat keys too (llama.cpp falls back to per_layer_config)"
+              "no vLLM release measured") + "; mlx-lm and SGLang 0.5.13 read the flat keys too (llama.cpp falls back to per_layer_config)"
     return {"what": what, "breaks": breaks, "serves": serves,
             "fix": f"gemma4-convert convert {checkpoint.path} --layout per-layer --out NEW (config only, seconds)"}
 

@@ -162,7 +162,7 @@ def _serve_section(role: str, layout: str, variant: str, repo_id: str, target_re
 
 
 RESAVE_NOTE = ("Use and re-upload `config.json` as it is: re-saving it with transformers >= 5.15 (`save_pretrained`, "
-               "as fine-tuning and quantization scripts do) drops the flat keys vLLM <= 0.27 and MLX read. "
+               "as fine-tuning and quantization scripts do) drops the flat keys vLLM <= 0.27, MLX and SGLang 0.5.1x read. "
                "`gemma4-convert inspect` names what changed; `gemma4-convert convert DIR --layout per-layer` mends it "
                "(config only, seconds).")
 

