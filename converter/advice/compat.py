@@ -140,6 +140,16 @@ def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 
 
+# consumers whose rows check the loader cases (loading only, no forward: SGLang on CPU); the other consumers' rows
+# and the engine rows check the engine cases (varied greedy output)
+LOADER_CASE_CONSUMERS = ("sglang",)
+
+
+def checks_loader_cases(row: LedgerRow) -> bool:
+    """Whether `row.case` names a loader case (cases.SOURCES) rather than an engine case (cases.ENGINE_SOURCES)."""
+    return row.check in (CHECK_LOADER, CHECK_INSTALL) or row.consumer in LOADER_CASE_CONSUMERS
+
+
 def stale_rows(rows: Iterable[LedgerRow], digests: Mapping[tuple[str, str], str]) -> list[str]:
     """One message per (case, variant) whose ledger digest differs from the digest of a fresh conversion.
 
@@ -148,11 +158,10 @@ def stale_rows(rows: Iterable[LedgerRow], digests: Mapping[tuple[str, str], str]
     problems = []
     seen: set[tuple[str, str, str]] = set()
     for row in rows:
-        mark = (row.case, row.variant, row.check)
+        mark = (row.case, row.variant, row.check, row.consumer)
         if mark in seen:
             continue
-        now = digests.get((row.case if row.check in (CHECK_LOADER, CHECK_INSTALL) else f"engine:{row.case}",
-                           row.variant))  # engine and consumer rows check the engine cases
+        now = digests.get((row.case if checks_loader_cases(row) else f"engine:{row.case}", row.variant))
         if now != row.digest:
             seen.add(mark)
             what = {"original": "source", INSTALL_LAYOUT: "runtime requirements"}.get(row.layout, "output")
