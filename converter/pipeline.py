@@ -21,7 +21,7 @@ from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, TensorPlan, index_document
 from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
-from .read.sequential import BackgroundSha256, SourceFile, known_sha256
+from .read.sequential import BackgroundSha256, SourceFile, hashing_ahead, known_sha256
 from .write.lock import output_lock
 from .write.writer import (LINK_MODES, make_directory, place_file, reflink_possible, staged_directory,
                            write_json, write_shard)
@@ -269,6 +269,11 @@ def _refuse_tensor_parallel(checkpoints: Mapping[str, Checkpoint], request: Conv
             raise InputError(problems[0])
 
 
+def _copies(link: str, source: Path, directory: Path) -> bool:
+    """Whether place_file copies `source` into `directory` under `link` (auto copies where it cannot reflink)."""
+    return link == "copy" or (link == "auto" and not reflink_possible(source, directory))
+
+
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
                       warnings: tuple[str, ...], on_bytes: Callable[[int], None],
                       origin: Mapping[str, str] | None = None,
@@ -282,11 +287,17 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
     with ExitStack() as stack:
         opened: dict[Path, SourceFile] = {}
         hashing: dict[Path, BackgroundSha256 | str | None] = {}
+        # unchanged files copied (not linked) are hashed ahead, several at once: a copy's sha256 is its source's
+        copied = [s.same_as for s in plan.shards if s.same_as is not None and _copies(link, s.same_as, directory)]
+        ahead = hashing_ahead({path: sizes[path] for path in copied if not known_sha256(path)}, stack) if hashed else {}
         # unchanged files first: their copies hide the import of torch (_import_in_background) that rewriting waits on
         for shard in sorted(plan.shards, key=lambda shard: shard.same_as is None):
             if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
                 made[shard.file_name], digest = place_file(shard.same_as, directory / shard.file_name, link=link,
-                                                           expected_size=sizes[shard.same_as], hashed=hashed)
+                                                           expected_size=sizes[shard.same_as],
+                                                           hashed=hashed and shard.same_as not in ahead)
+                if made[shard.file_name] == "copy" and shard.same_as in ahead:
+                    digest = ahead[shard.same_as].result()
                 files[shard.file_name] = source_hashes[shard.same_as.name] = digest
                 on_bytes(sum(t.source.nbytes for t in shard.tensors))
                 continue

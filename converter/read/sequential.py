@@ -93,11 +93,13 @@ class BackgroundSha256:
     bytes elsewhere: hashlib releases the GIL, so on a machine with a core to spare the hash costs no wall time.
 
     Reading through its own buffer (not a shared mmap) keeps a file truncated meanwhile an InputError here,
-    never a SIGBUS. Use as a context manager, or call `result` (which joins) and `stop` on every path.
+    never a SIGBUS. Use as a context manager, or call `result` (which joins) and `stop` on every path. `gate`: a
+    semaphore shared by hashers started ahead of their files (hashing_ahead), so that at most as many hash at once
+    as it admits.
     """
 
-    def __init__(self, path: Path, *, size: int):
-        self.path, self.size = path, size
+    def __init__(self, path: Path, *, size: int, gate: threading.Semaphore | None = None):
+        self.path, self.size, self._gate = path, size, gate
         self._sha256 = hashlib.sha256()
         self._hashed = 0
         self._error: BaseException | None = None
@@ -106,6 +108,10 @@ class BackgroundSha256:
         self._thread.start()
 
     def _run(self) -> None:
+        if self._gate is not None:
+            while not self._gate.acquire(timeout=0.05):
+                if self._stop.is_set():
+                    return
         try:
             source = SourceFile(self.path)
             try:
@@ -117,6 +123,9 @@ class BackgroundSha256:
                 source.close()
         except BaseException as exc:  # raised by result()
             self._error = exc
+        finally:
+            if self._gate is not None:
+                self._gate.release()
 
     def result(self) -> str:
         """Waits for the hash.
@@ -141,6 +150,14 @@ class BackgroundSha256:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def hashing_ahead(files: dict[Path, int], stack) -> dict[Path, BackgroundSha256]:
+    """A BackgroundSha256 for each of `files` (path -> size), entered on `stack`, as many hashing at once as the
+    process may use cores: the copies they stand beside are disk-bound, so hashing one file while another is
+    copied keeps the hashes off the critical path (docs/BENCHMARKS.md)."""
+    gate = threading.Semaphore(max(1, len(os.sched_getaffinity(0))))
+    return {path: stack.enter_context(BackgroundSha256(path, size=size, gate=gate)) for path, size in files.items()}
 
 
 class MappedFile:
