@@ -12,7 +12,11 @@ import json
 import subprocess
 from pathlib import Path
 
-from converter.testing.cases import ORIGINAL, EnginePair
+from converter.advice.compat import CHECK_CONSUMER, PASS, LedgerRow
+from converter.proof.digest import pair_digest
+from converter.testing.cases import ENGINE_SOURCES, ORIGINAL, EnginePair
+
+from _ledger import today
 
 CONSUMERS = Path(__file__).resolve().parents[1] / "scripts" / "consumers"
 
@@ -20,6 +24,27 @@ CONSUMERS = Path(__file__).resolve().parents[1] / "scripts" / "consumers"
 def variants(pair: EnginePair) -> dict[str, Path]:
     """original (the reference: flat keys, what the consumer reads as published) and both layouts."""
     return {ORIGINAL: pair.reference, **{layout: pair.converted[layout][0] for layout in ("per-layer", "pad-global")}}
+
+
+AS_RESAVED = "as-resaved"  # the converter's input as transformers >= 5.15 writes it: checked, not a ledger row
+
+
+def variants_and_digests(pair: EnginePair) -> tuple[dict[str, Path], dict[str, str]]:
+    """variants(pair), plus AS_RESAVED where the case's input is the per_layer_config twin of its reference; and the
+    pair digest of every variant that is a row."""
+    pairs = variants(pair)
+    if pair.original != pair.reference:
+        pairs[AS_RESAVED] = pair.original
+    return pairs, {v: pair_digest(p / "target", p / "assistant") for v, p in pairs.items() if v != AS_RESAVED}
+
+
+def engine_case_row(consumer: str, version: str, transformers: str, name: str, variant: str, digest: str,
+                    verdict: str = PASS, detail: str = "", figures: dict | None = None) -> LedgerRow:
+    """A consumer row on an engine case, the consumer's env being no vLLM env (its transformers named by hand)."""
+    return LedgerRow(case=name, form=ENGINE_SOURCES[name].form, layout=variant, vllm="", transformers=transformers,
+                     torch="", torch_pin=True, check=CHECK_CONSUMER, verdict=verdict, expected=PASS, digest=digest,
+                     measured=today(), vllm_package="", detail=detail, figures=figures or {}, consumer=consumer,
+                     consumer_version=version)
 
 
 def run_check(python: Path, consumer: str, reference: Path, pairs: dict[str, Path], out: Path) -> dict:

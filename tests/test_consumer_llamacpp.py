@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import pytest
 
-from converter.advice.compat import CHECK_CONSUMER, FAIL, PASS, LedgerRow
-from converter.proof.digest import pair_digest
-from converter.testing.cases import ENGINE_SOURCES, LLAMACPP, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS
+from converter.advice.compat import FAIL, PASS, LedgerRow
+from converter.testing.cases import LLAMACPP, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS
 
 from _consumer_envs import consumer_python
-from _consumers import assert_varied, max_diff, run_check, variants
-from _ledger import record, skip_if_all_unchanged, today
+from _consumers import (AS_RESAVED, assert_varied, engine_case_row, max_diff, run_check,
+                        variants_and_digests)
+from _ledger import record, skip_if_all_unchanged
 
 CONSUMER = "llama.cpp"
 
@@ -72,10 +72,7 @@ def judge(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
 
 def llamacpp_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: str = "",
                  figures: dict | None = None) -> LedgerRow:
-    return LedgerRow(case=name, form=ENGINE_SOURCES[name].form, layout=variant, vllm="",
-                     transformers=LLAMACPP_TRANSFORMERS, torch="", torch_pin=True, check=CHECK_CONSUMER,
-                     verdict=verdict, expected=PASS, digest=digest, measured=today(), vllm_package="", detail=detail,
-                     figures=figures or {}, consumer=CONSUMER, consumer_version=LLAMACPP)
+    return engine_case_row(CONSUMER, LLAMACPP, LLAMACPP_TRANSFORMERS, name, variant, digest, verdict, detail, figures)
 
 
 @pytest.mark.vllm027
@@ -83,18 +80,15 @@ def llamacpp_row(name: str, variant: str, digest: str, verdict: str = PASS, deta
 @pytest.mark.parametrize("name", LLAMACPP_SOURCES)
 def test_llamacpp_converts_and_generates_like_the_original(engine_case, tmp_path, name):
     pair = engine_case(name)
-    pairs = variants(pair)
-    if pair.original != pair.reference:  # the converter's input as transformers >= 5.15 writes it
-        pairs["as-resaved"] = pair.original
-    digests = {v: pair_digest(p / "target", p / "assistant") for v, p in pairs.items() if v != "as-resaved"}
+    pairs, digests = variants_and_digests(pair)
     skip_if_all_unchanged([llamacpp_row(name, v, d) for v, d in digests.items()])
     report = run_check(consumer_python("llamacpp"), "llamacpp", pair.reference, pairs, tmp_path / "report.json")
     assert report["llama_cpp_python"] == LLAMACPP.split()[0] and report["transformers"] == LLAMACPP_TRANSFORMERS
     ref = report["pairs"]["reference"]
     assert not (ref["target_error"] or ref["assistant_error"] or ref.get("runtime_error")), ref
     assert_varied(ref["greedy"])
-    if "as-resaved" in pairs:  # llama.cpp falls back to per_layer_config: the re-saved input converts alike
-        assert judge("as-resaved", report["pairs"]["as-resaved"], ref)[0] == PASS, report["pairs"]["as-resaved"]
+    if AS_RESAVED in pairs:  # llama.cpp falls back to per_layer_config: the re-saved input converts alike
+        assert judge(AS_RESAVED, report["pairs"][AS_RESAVED], ref)[0] == PASS, report["pairs"][AS_RESAVED]
     rows = [llamacpp_row(name, v, d, *judge(v, report["pairs"][v], ref)) for v, d in digests.items()]
     failed = [f"{r.layout}: {r.detail}" for r in rows if r.verdict != PASS]
     assert not failed, "\n".join(failed)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from converter.advice.compat import CHECK_CONSUMER, FAIL, PASS, LedgerRow
-from converter.proof.digest import pair_digest
-from converter.testing.cases import ENGINE_SOURCES, MLX_LM, MLX_SOURCES, MLX_TRANSFORMERS
+from converter.advice.compat import FAIL, PASS, LedgerRow
+from converter.testing.cases import MLX_LM, MLX_SOURCES, MLX_TRANSFORMERS
 
 from _consumer_envs import consumer_python
-from _consumers import assert_varied, max_diff, run_check, variants
-from _ledger import record, skip_if_all_unchanged, today
+from _consumers import (AS_RESAVED, assert_varied, engine_case_row, max_diff, run_check,
+                        variants_and_digests)
+from _ledger import record, skip_if_all_unchanged
 
 MLX = "mlx-lm"
 
@@ -38,11 +38,7 @@ def judge_mlx(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
 
 def mlx_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: str = "",
             figures: dict | None = None) -> LedgerRow:
-    return LedgerRow(case=name, form=ENGINE_SOURCES[name].form, layout=variant, vllm="", transformers=MLX_TRANSFORMERS,
-                     torch="",
-                     torch_pin=True, check=CHECK_CONSUMER, verdict=verdict, expected=PASS, digest=digest,
-                     measured=today(), vllm_package="", detail=detail, figures=figures or {}, consumer=MLX,
-                     consumer_version=MLX_LM)
+    return engine_case_row(MLX, MLX_LM, MLX_TRANSFORMERS, name, variant, digest, verdict, detail, figures)
 
 
 @pytest.mark.vllm027
@@ -50,10 +46,7 @@ def mlx_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: s
 @pytest.mark.parametrize("name", MLX_SOURCES)
 def test_mlx_lm_loads_and_generates_like_the_original(engine_case, tmp_path, name):
     pair = engine_case(name)
-    pairs = variants(pair)
-    if pair.original != pair.reference:  # the converter's input as transformers >= 5.15 writes it
-        pairs["as-resaved"] = pair.original
-    digests = {v: pair_digest(p / "target", p / "assistant") for v, p in pairs.items() if v != "as-resaved"}
+    pairs, digests = variants_and_digests(pair)
     skip_if_all_unchanged([mlx_row(name, v, d) for v, d in digests.items()])
     report = run_check(consumer_python("mlx"), "mlx", pair.reference, pairs, tmp_path / "report.json")
     assert report["mlx_lm"] == MLX_LM and report["transformers"] == MLX_TRANSFORMERS
@@ -61,8 +54,8 @@ def test_mlx_lm_loads_and_generates_like_the_original(engine_case, tmp_path, nam
     ref = report["pairs"]["reference"]
     assert ref["target_error"] is None, ref
     assert_varied(ref["greedy"])
-    if "as-resaved" in pairs:  # what this tool mends for MLX: no flat global keys, full layers mis-sized
-        assert report["pairs"]["as-resaved"]["target_error"].startswith("ValueError: Expected shape"), report
+    if AS_RESAVED in pairs:  # what this tool mends for MLX: no flat global keys, full layers mis-sized
+        assert report["pairs"][AS_RESAVED]["target_error"].startswith("ValueError: Expected shape"), report
     rows = [mlx_row(name, v, d, *judge_mlx(v, report["pairs"][v], ref)) for v, d in digests.items()]
     failed = [f"{r.layout}: {r.detail}" for r in rows if r.verdict != PASS]
     assert not failed, "\n".join(failed)
