@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, INSTALL_CASE,
-                                     INSTALL_LAYOUT,
-                                     LEDGER_PATH, PASS, VLLM, LedgerRow, load_ledger, render_markdown, render_table,
-                                     stale_rows, version_key, with_release_table)
+from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE,
+                                     INSTALL_LAYOUT, LEDGER_PATH, NOT_RUN, PASS, VLLM, LedgerRow, load_ledger,
+                                     render_markdown, render_table, stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
 from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, ENGINE_RELEASE_SOURCES,
@@ -211,7 +210,7 @@ def test_compat_verb_prints_every_row_as_json_and_a_table(run_cli, ledger):
     assert len(rows) == len(ledger)
     for row in rows:
         assert {"case", "layout", "vllm", "transformers", "tp", "check", "verdict", "torch_pin", "measured"} <= set(row)
-        assert row["verdict"] in ("pass", "fail")
+        assert row["verdict"] in (PASS, FAIL) or (row["verdict"] == NOT_RUN and row["detail"]), row  # reasons given
         assert row["layout"] in ("original", "per-layer", "pad-global") or \
             (row["check"], row["layout"]) == (CHECK_INSTALL, INSTALL_LAYOUT)
     only = json.loads(run_cli("compat", "--json", "--layout", "pad-global").out)
