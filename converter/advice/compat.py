@@ -205,7 +205,8 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
         lines.append({"vllm": vllm, "packages": sorted({r.vllm_package for r in ran}),
                       "off_pin": any(not r.torch_pin for r in ran),
                       "transformers": sorted({r.transformers for r in ran if r.transformers}, key=version_key), **cells,
-                      "engine": {**_passed_cell(engine, failure=lambda r: r.detail),
+                      "engine": {**_passed_cell(engine, failure=lambda r: f"{r.layout} {r.case}: "
+                                                                          f"{r.detail.split('; ')[0]}"),
                                  "reason": not_run[0] if not_run and not engine else None},
                       "install": _passed_cell(install, failure=lambda r: r.detail),
                       "advice": {kv: _advice(loader, kv) for kv in ("mixed", "uniform")}})
