@@ -16,7 +16,7 @@ from converter.advice.compat import CHECK_CONSUMER, PASS, LedgerRow
 from converter.proof.digest import pair_digest
 from converter.testing.cases import ENGINE_SOURCES, ORIGINAL, EnginePair
 
-from _ledger import today
+from _ledger import record, today
 
 CONSUMERS = Path(__file__).resolve().parents[1] / "scripts" / "consumers"
 
@@ -45,6 +45,14 @@ def engine_case_row(consumer: str, version: str, transformers: str, name: str, v
                      torch="", torch_pin=True, check=CHECK_CONSUMER, verdict=verdict, expected=PASS, digest=digest,
                      measured=today(), vllm_package="", detail=detail, figures=figures or {}, consumer=consumer,
                      consumer_version=version)
+
+
+def record_as_expected(rows: list[LedgerRow]) -> None:
+    """Fails the test on a row whose verdict is not its expected one; else records every row (once all held)."""
+    surprises = [f"{r.layout}: {r.verdict} (expected {r.expected}) {r.detail}" for r in rows if r.verdict != r.expected]
+    assert not surprises, "\n".join(surprises)
+    for row in rows:
+        record(row)
 
 
 def run_check(python: Path, consumer: str, reference: Path, pairs: dict[str, Path], out: Path) -> dict:

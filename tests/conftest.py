@@ -161,16 +161,30 @@ def wheel(tmp_path_factory):
     return build_wheel(tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("wheel-src"))
 
 
+def _built_once(build, tmp_path_factory, folder: str):
+    """get(NAME) -> build(NAME, a new directory under `folder`), built on the first call only."""
+    built: dict = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build(name, tmp_path_factory.mktemp(folder))
+        return built[name]
+    return get
+
+
 @pytest.fixture(scope="session")
 def engine_case(tmp_path_factory):
     """cases.build_engine_case(NAME), built once per session: the engine and the consumer tests read the same pairs
     (and never modify them)."""
-    from converter.testing.cases import EnginePair, build_engine_case
+    from converter.testing.cases import build_engine_case
 
-    built: dict[str, EnginePair] = {}
+    return _built_once(build_engine_case, tmp_path_factory, "engine")
 
-    def get(name: str) -> EnginePair:
-        if name not in built:
-            built[name] = build_engine_case(name, tmp_path_factory.mktemp("engine"))
-        return built[name]
-    return get
+
+@pytest.fixture(scope="session")
+def loader_case(tmp_path_factory):
+    """cases.build_loader_case(NAME): variant -> directory, built once per session: the vLLM loader and the SGLang
+    tests read the same pairs (and never modify them)."""
+    from converter.testing.cases import build_loader_case
+
+    return _built_once(build_loader_case, tmp_path_factory, "loader")

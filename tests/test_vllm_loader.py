@@ -32,8 +32,7 @@ from converter.advice.evidence import Shape
 from converter.advice.serving import KV_MIXED, KV_SHARING, ServingEnv, predict, shape_of
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONVERSIONS, LOADER_ROWS, MIXED, ORIGINAL, SOURCES, LoaderRow, Source,
-                                     build_loader_case)
+from converter.testing.cases import CONVERSIONS, LOADER_ROWS, MIXED, ORIGINAL, SOURCES, LoaderRow, Source
 from converter.testing.synthetic import tiny_preset
 
 from _ledger import record, recording, reusing, skip_if_unchanged, today, unchanged
@@ -94,16 +93,9 @@ def assert_kernel_refusals(stand_ins: list[dict], source: Source, target: Path) 
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
+def pairs(loader_case):
     """get(source, variant) -> directory holding target/ and assistant/ (each source written and converted once)."""
-    root = tmp_path_factory.mktemp("vllm027")
-    built: dict[str, dict[str, Path]] = {}
-
-    def get(name: str, variant: str) -> Path:
-        if name not in built:
-            built[name] = build_loader_case(name, root)
-        return built[name][variant]
-    return get
+    return lambda name, variant: loader_case(name)[variant]
 
 
 def run_checker(env: VllmEnv, pair: Path, json_path: Path, *options: str) -> tuple[int, dict, str]:
