@@ -420,6 +420,14 @@ def _as_nobody(argv: list[str]) -> subprocess.CompletedProcess:
         pytest.skip(f"cannot switch to uid {NOBODY}: {probe.stderr.decode().strip()}")
     script = Path(sys.executable).parent / "gemma4-convert"
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp", "LANG": "C.UTF-8"}
+    # the tool itself must be reachable by that user: a checkout under a 0700 directory (mktemp -d) is not, and then
+    # every case would fail on the interpreter, not on the file under test
+    reach = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", str(script),
+                            "--version"], capture_output=True, text=True, env=env, cwd="/")
+    if reach.returncode != 0:
+        pytest.skip(f"uid {NOBODY} cannot run {script} (a parent directory is not world-traversable: "
+                    f"{reach.stderr.strip().splitlines()[-1] if reach.stderr.strip() else reach.returncode}); "
+                    "clone into a world-traversable directory to run the permission cases")
     return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", str(script), *argv],
                           capture_output=True, text=True, env=env, cwd="/")
 
