@@ -21,7 +21,7 @@ from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, TensorPlan, index_document
 from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
-from .read.sequential import BackgroundSha256, SourceFile, hashing_ahead, known_sha256
+from .read.sequential import PendingSha256, SourceFile, hashing_ahead, known_sha256
 from .write.lock import output_lock
 from .write.writer import (LINK_MODES, make_directory, place_file, reflink_possible, staged_directory,
                            write_json, write_shard)
@@ -228,16 +228,20 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
     with output_lock(plan.request.out):
         if plan.request.out.exists() and not plan.request.force:  # another run finished it since we planned
             raise OutputError(f"{plan.request.out} already exists; choose a new directory or pass --force")
-        with staged_directory(plan.request.out, replace=plan.request.force) as staging:
+        with staged_directory(plan.request.out, replace=plan.request.force) as staging, ExitStack() as stack:
+            # every source file this conversion reads whole, hashed from the start on the cores the writes leave
+            ahead = hashing_ahead(_files_to_hash(plan, staging), stack) if plan.request.hashed else {}
+            finishing = []
             for item in plan.items:
                 directory = staging / item.subdir if item.subdir else staging
                 make_directory(directory)
-                outputs[item.subdir], how = _write_checkpoint(item, directory, link=plan.request.link,
-                                                              hashed=plan.request.hashed, paired=paired,
-                                                              warnings=plan.warnings, on_bytes=on_bytes,
-                                                              tp=plan.request.tp,
-                                                              origin=plan.request.origins.get(item.subdir or "single"))
-                made.update({f"{item.subdir}/{name}".lstrip("/"): h for name, h in how.items()})
+                finishing.append((item.subdir, _write_checkpoint(
+                    item, directory, link=plan.request.link, hashed=plan.request.hashed, paired=paired,
+                    warnings=plan.warnings, on_bytes=on_bytes, tp=plan.request.tp, ahead=ahead,
+                    origin=plan.request.origins.get(item.subdir or "single"))))
+            for subdir, write_manifest in finishing:  # every byte is written: now wait for the hashes
+                outputs[subdir], how = write_manifest()
+                made.update({f"{subdir}/{name}".lstrip("/"): h for name, h in how.items()})
     return ConvertResult(plan=plan, output_files=outputs, made=made)
 
 
@@ -274,22 +278,37 @@ def _copies(link: str, source: Path, directory: Path) -> bool:
     return link == "copy" or (link == "auto" and not reflink_possible(source, directory))
 
 
+def _files_to_hash(plan: ConversionPlan, staging: Path) -> dict[Path, int]:
+    """path -> size of every source file the conversion reads whole and whose sha256 is not known already (a Hugging
+    Face cache names it): unchanged files it copies (a copy's sha256 is its source's) and the sources of rewritten
+    shards. Linked files are never read."""
+    files: dict[Path, int] = {}
+    for item in plan.items:
+        sizes = {shard.file: shard.size for shard in item.source.shards}
+        for shard in item.plan.shards:
+            if shard.same_as is not None:
+                read = [shard.same_as] if _copies(plan.request.link, shard.same_as, staging) else []
+            else:
+                read = [tensor.source.ref.file for tensor in shard.tensors]
+            files.update({path: sizes[path] for path in read if not known_sha256(path)})
+    return files
+
+
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
                       warnings: tuple[str, ...], on_bytes: Callable[[int], None],
-                      origin: Mapping[str, str] | None = None,
-                      tp: int | None = None) -> tuple[dict[str, str | None], dict[str, str]]:
+                      ahead: Mapping[Path, PendingSha256], origin: Mapping[str, str] | None = None,
+                      tp: int | None = None) -> Callable[[], tuple[dict[str, str | None], dict[str, str]]]:
+    """Writes item's files into directory; returns what writes its manifest once the hashes it waits for are done
+    (called after every checkpoint's bytes are written, so no copy waits for a hash)."""
     plan, source = item.plan, item.source
     render = None
     sizes = {shard.file: shard.size for shard in source.shards}
-    files: dict[str, str | None] = {}
+    files: dict[str, PendingSha256 | str | None] = {}
     made: dict[str, str] = {}
-    source_hashes: dict[str, str | None] = {}
+    source_hashes: dict[str, PendingSha256 | str | None] = {}
     with ExitStack() as stack:
         opened: dict[Path, SourceFile] = {}
-        hashing: dict[Path, BackgroundSha256 | str | None] = {}
-        # unchanged files copied (not linked) are hashed ahead, several at once: a copy's sha256 is its source's
-        copied = [s.same_as for s in plan.shards if s.same_as is not None and _copies(link, s.same_as, directory)]
-        ahead = hashing_ahead({path: sizes[path] for path in copied if not known_sha256(path)}, stack) if hashed else {}
+        hashing: dict[Path, PendingSha256 | str | None] = {}
         # unchanged files first: their copies hide the import of torch (_import_in_background) that rewriting waits on
         for shard in sorted(plan.shards, key=lambda shard: shard.same_as is None):
             if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
@@ -297,33 +316,40 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
                                                            expected_size=sizes[shard.same_as],
                                                            hashed=hashed and shard.same_as not in ahead)
                 if made[shard.file_name] == "copy" and shard.same_as in ahead:
-                    digest = ahead[shard.same_as].result()
+                    digest = ahead[shard.same_as]  # waited for by write_manifest
                 files[shard.file_name] = source_hashes[shard.same_as.name] = digest
                 on_bytes(sum(t.source.nbytes for t in shard.tensors))
                 continue
             for path in dict.fromkeys(t.source.ref.file for t in shard.tensors):
-                if path not in opened:  # each source's sha256 on a thread while its bytes are written
+                if path not in opened:  # each source's sha256 hashed ahead (or known) while its bytes are rewritten
                     opened[path] = stack.enter_context(closing(SourceFile(path)))
-                    hashing[path] = (known_sha256(path) or stack.enter_context(BackgroundSha256(path,
-                                                                                               size=sizes[path]))
-                                     if hashed else None)
+                    hashing[path] = (known_sha256(path) or ahead[path]) if hashed else None
             if render is None and not all(tensor.is_copy for tensor in shard.tensors):
                 from .transforms import render_transform as render  # torch (~2 s to import): only when a tensor changes
             files[shard.file_name] = write_shard(directory / shard.file_name, shard, metadata=dict(plan.metadata),
                                                  sources=opened, render=render, on_bytes=on_bytes, hashed=hashed)
             made[shard.file_name] = MADE_WRITTEN
-        source_hashes.update({path.name: digest.result() if isinstance(digest, BackgroundSha256) else digest
-                              for path, digest in hashing.items()})
+        source_hashes.update({path.name: digest for path, digest in hashing.items()})
     if plan.indexed:
         files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
     files["config.json"], made["config.json"] = write_json(directory / "config.json", plan.config), MADE_WRITTEN
     for name in plan.side_files:
         made[name], digest = place_file(source.path / name, directory / name, link=link, hashed=hashed)
         source_hashes[name] = files[name] = digest
-    write_json(directory / MANIFEST_NAME, manifest_document(item, source_hashes=source_hashes, output_hashes=files,
-                                                            made=made, link=link, hashed=hashed, paired=paired,
-                                                            warnings=warnings, origin=origin, tp=tp))
-    return files, made
+
+    def write_manifest() -> tuple[dict[str, str | None], dict[str, str]]:
+        resolved = {name: _resolved(digest) for name, digest in files.items()}
+        write_json(directory / MANIFEST_NAME, manifest_document(
+            item, source_hashes={name: _resolved(digest) for name, digest in source_hashes.items()},
+            output_hashes=resolved, made=made, link=link, hashed=hashed, paired=paired, warnings=warnings,
+            origin=origin, tp=tp))
+        return resolved, made
+
+    return write_manifest
+
+
+def _resolved(digest: PendingSha256 | str | None) -> str | None:
+    return digest.result() if isinstance(digest, PendingSha256) else digest
 
 
 def manifest_document(item: PlannedCheckpoint, *, source_hashes: Mapping[str, str | None],

@@ -202,7 +202,8 @@ def apply_transform(name: str, tensor: torch.Tensor, params: dict[str, int]) -> 
 
 def decode(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Little-endian safetensors bytes -> tensor (no copy when the buffer is writable)."""
-    buffer = raw if isinstance(raw, bytearray) else bytearray(raw)
+    writable = isinstance(raw, bytearray) or (isinstance(raw, memoryview) and not raw.readonly)
+    buffer = raw if writable else bytearray(raw)
     if not buffer:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
@@ -224,7 +225,7 @@ def torch_dtype(safetensors_dtype: str) -> torch.dtype:
     return getattr(torch, DTYPES[safetensors_dtype][0])
 
 
-def render_transform(tensor: TensorPlan, raw: bytearray) -> memoryview:
+def render_transform(tensor: TensorPlan, raw: bytearray | memoryview) -> memoryview:
     """The bytes of a TRANSFORM tensor, computed from its source bytes: what the writer writes and `verify`
     recomputes (one function, so the two can never disagree)."""
     return transform_bytes(raw, dtype=torch_dtype(tensor.dtype), shape=tensor.source.shape, name=tensor.transform,

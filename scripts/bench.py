@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -48,6 +49,7 @@ class Source:
     description: str
     make_args: tuple[str, ...]  # empty for the pair: hard links to the target's and the assistant's files
     parts: tuple["Source", ...] = ()  # the pair's target and assistant (path/target, path/assistant)
+    hub_cache: bool = False  # the pair laid out as a Hugging Face cache snapshot (symlinks to blobs/<sha256>)
 
 
 @dataclass(frozen=True)
@@ -62,15 +64,18 @@ class Run:
     returncode: int
 
 
-CONTENDERS = ("cp-sync", "cp", "dd-direct", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
+CONTENDERS = ("floor-per-layer", "floor-pad-global", "cp-sync", "cp", "dd-direct", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
               "per-layer-symlink", "pad-global", "pad-global-no-hash", "verify", "naive-per-layer", "naive-pad-global")
-PAIR_CONTENDERS = ("cp-sync", "cp", "per-layer", "per-layer-no-hash", "pad-global", "pad-global-no-hash", "verify")
-DEFAULT_CONTENDERS = ("cp-sync", "cp", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
+PAIR_CONTENDERS = ("floor-per-layer", "floor-pad-global", "cp-sync", "cp", "per-layer", "per-layer-no-hash",
+                   "pad-global", "pad-global-no-hash", "verify")
+DEFAULT_CONTENDERS = ("floor-per-layer", "floor-pad-global", "cp-sync", "cp", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
                       "per-layer-symlink", "pad-global", "pad-global-no-hash", "naive-pad-global", "verify")
 
 
 def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, converted: Path | None,
-                      assistant: Path | None = None, pair: bool = False) -> list[str]:
+                      assistant: Path | None = None, pair: bool = False, floor_spec: Path | None = None) -> list[str]:
+    if contender.startswith("floor-"):  # the layout's own output files, O_DIRECT from mappings of the source
+        return [PY, str(REPO / "scripts" / "floor_write.py"), str(src), str(out), str(floor_spec)]
     if pair and contender not in ("cp-sync", "cp", "verify", "dd-direct", "naive-per-layer", "naive-pad-global"):
         # target and assistant in one command, as a user converts them: one start-up, one torch import
         single = contender_command(contender, src, out, seq_len=seq_len, converted=converted)
@@ -192,7 +197,27 @@ def plan_sources(args: argparse.Namespace) -> list[Source]:
         chosen.append(Source(f"pair-{args.target_layers}L", base / f"pair-{args.target_layers}L",
                              f"`{parts[0].name}` + `assistant` converted together (--target/--assistant; hard links "
                              "to their files)", (), parts))
+    if "pair-hub" in args.sources and args.target_layers > 0:
+        parts = (sources[-1], sources[0])
+        chosen.append(Source(f"pair-{args.target_layers}L-hub", base / f"pair-{args.target_layers}L-hub" / "snapshot",
+                             f"the same pair as a Hugging Face cache snapshot: each file a symlink to "
+                             "`blobs/<its sha256>` (a hard link to the part's file), as `hf download` leaves it",
+                             (), parts, hub_cache=True))
     return chosen
+
+
+def hub_blob_link(file: str, destination: str) -> None:
+    """Lays file out as the Hub cache does: blobs/<sha256> (a hard link here) and a relative symlink to it."""
+    blobs = Path(destination).parents[2] / "blobs"  # <root>/snapshot/<role>/<name> -> <root>/blobs
+    blobs.mkdir(exist_ok=True)
+    sha256 = hashlib.sha256()
+    with open(file, "rb") as handle:
+        while block := handle.read(1 << 24):
+            sha256.update(block)
+    blob = blobs / sha256.hexdigest()
+    if not blob.exists():
+        os.link(file, blob)
+    os.symlink(os.path.relpath(blob, Path(destination).parent), destination)
 
 
 def build(source: Source, log: Path) -> None:
@@ -203,7 +228,8 @@ def build(source: Source, log: Path) -> None:
         if not source.path.is_dir():  # hard links: no new space, and the page cache of the parts is the pair's
             source.path.mkdir(parents=True)
             for role, part in zip(("target", "assistant"), source.parts):
-                shutil.copytree(part.path, source.path / role, copy_function=os.link)
+                shutil.copytree(part.path, source.path / role,
+                                copy_function=hub_blob_link if source.hub_cache else os.link)
         return
     marker = source.path.with_name(source.path.name + ".complete")
     if marker.exists() and marker.read_text() == " ".join(source.make_args):
@@ -250,19 +276,36 @@ def bench_source(source: Source, args: argparse.Namespace, log: Path, *, assista
         with open(log, "ab") as sink:
             subprocess.run([CLI, "convert", *sources, "--out", str(converted), "--layout", "pad-global"],
                            check=True, stdout=sink, stderr=subprocess.STDOUT)
+    specs = {c: floor_spec(source, c.removeprefix("floor-"), args, log) for c in contenders if c.startswith("floor-")}
     try:
         for rep in range(1, args.repeats + 1):
             for cache in args.cache:
                 for contender in contenders:  # interleaved: cp, convert, ... then again, so load hits all alike
                     runs.append(run_one(source, contender, cache, rep, args, log, converted=converted, pair=pair,
-                                        can_drop=can_drop))
+                                        can_drop=can_drop, floor_spec=specs.get(contender)))
     finally:
         shutil.rmtree(converted, ignore_errors=True)
     return runs
 
 
+def floor_spec(source: Source, layout: str, args: argparse.Namespace, log: Path) -> Path:
+    """The names and sizes of `layout`'s output files for source, from one untimed conversion (removed again):
+    what the floor contender writes."""
+    out = args.work_dir / "out" / f"{source.name}.{layout}.shape"
+    shutil.rmtree(out, ignore_errors=True)
+    command = contender_command(f"{layout}-no-hash", source.path, out, seq_len=args.seq_len, converted=None,
+                                pair=bool(source.parts))
+    with open(log, "ab") as sink:
+        subprocess.run(command, check=True, stdout=sink, stderr=subprocess.STDOUT)
+    files = [[str(p.relative_to(out)), p.stat().st_size] for p in sorted(out.rglob("*")) if p.is_file()]
+    shutil.rmtree(out)
+    spec = args.work_dir / f"floor-{source.name}-{layout}.json"
+    spec.write_text(json.dumps({"files": files}))
+    return spec
+
+
 def run_one(source: Source, contender: str, cache: str, rep: int, args: argparse.Namespace, log: Path, *,
-            converted: Path, pair: Source | None, can_drop: bool) -> Run:
+            converted: Path, pair: Source | None, can_drop: bool, floor_spec: Path | None = None) -> Run:
     src = source_for(contender, source, args, log)
     out = (args.reflink_dir if contender == "per-layer-reflink" else args.work_dir) / "out" / \
         f"{source.name}.{contender}"
@@ -278,7 +321,7 @@ def run_one(source: Source, contender: str, cache: str, rep: int, args: argparse
         for path in inputs:
             read_through(path)
     command = contender_command(contender, src, out, seq_len=args.seq_len, converted=converted,
-                                assistant=pair.path if pair else None, pair=bool(source.parts))
+                                assistant=pair.path if pair else None, pair=bool(source.parts), floor_spec=floor_spec)
     wall, cpu, rss, code = timed_child(command, flush=out, log=log)
     shutil.rmtree(out, ignore_errors=True)
     print(f"  {source.name:<12} {cache:<4} {contender:<19} rep {rep}: {wall:7.2f} s  cpu {cpu:7.2f} s  "
@@ -337,40 +380,50 @@ def machine(work_dir: Path) -> dict[str, str]:
             "safetensors": torch_version[1] if len(torch_version) > 1 else "?", "mount": mount}
 
 
+def floor_of(contender: str) -> str:
+    """The floor a contender is divided by: its layout's output files written at the disk's floor (per-layer's
+    files for a copy or verify, whose bytes are the source's)."""
+    return "floor-pad-global" if "pad-global" in contender else "floor-per-layer"
+
+
 def summarize(runs: list[Run], sizes: dict[str, int]) -> list[dict]:
     rows = []
     for source, cache in dict.fromkeys((r.source, r.cache) for r in runs):
         same = [r for r in runs if (r.source, r.cache) == (source, cache)]
-        floor = next((c for c in FLOORS if any(r.contender == c for r in same)), None)
-        floor_wall = statistics.median(r.wall_s for r in same if r.contender == floor) if floor else None
-        floor_cpu = statistics.median(r.cpu_s for r in same if r.contender == floor) if floor else None
+
+        def median_of(contender: str, field: str) -> float | None:
+            values = [getattr(r, field) for r in same if r.contender == contender]
+            return statistics.median(values) if values else None
+
         for contender in dict.fromkeys(r.contender for r in same):
             mine = [r for r in same if r.contender == contender]
-            wall = statistics.median(r.wall_s for r in mine)
-            cpu = statistics.median(r.cpu_s for r in mine)
+            wall, cpu = median_of(contender, "wall_s"), median_of(contender, "cpu_s")
+            floor_wall, floor_cpu = median_of(floor_of(contender), "wall_s"), median_of(floor_of(contender), "cpu_s")
+            cp_wall = median_of("cp-sync", "wall_s")
             rows.append({"source": source, "cache": cache, "input_gb": sizes[source] / 1e9, "contender": contender,
-                         "runs": len(mine), "floor": floor,
+                         "runs": len(mine), "floor": floor_of(contender) if floor_wall else None,
                          "wall_s": wall, "min_s": min(r.wall_s for r in mine), "max_s": max(r.wall_s for r in mine),
-                         "gb_per_s": sizes[source] / 1e9 / wall, "vs_cp": wall / floor_wall if floor_wall else None,
+                         "gb_per_s": sizes[source] / 1e9 / wall,
+                         "vs_floor": wall / floor_wall if floor_wall else None,
+                         "vs_cp_sync": wall / cp_wall if cp_wall else None,
                          "cpu_s": cpu, "cpu_s_per_gb": cpu / (sizes[source] / 1e9),
-                         "cpu_vs_cp": cpu / floor_cpu if floor_cpu else None,
+                         "cpu_vs_floor": cpu / floor_cpu if floor_cpu else None,
                          "rss_mib": max(r.maxrss_kb for r in mine) / 1024})
     return rows
 
 
-FLOORS = ("cp-sync", "cp")  # what `x cp` divides by: the synced copy where it ran
-
-
 def table(rows: list[dict]) -> str:
-    lines = ["| source (input GB) | contender | wall s, median (min-max) | GB/s in | x floor | CPU s | CPU s/GB "
-             "| CPU x floor | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    def ratio(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "-"
+
+    lines = ["| source (input GB) | contender | wall s, median (min-max) | GB/s in | x floor | x cp-sync | CPU s "
+             f"| CPU s/GB | CPU x floor | cores | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r['vs_cp']:.2f}" if r["vs_cp"] is not None else "-"
-        cpu_ratio = f"{r['cpu_vs_cp']:.2f}" if r["cpu_vs_cp"] is not None else "-"
         lines.append(f"| {r['source']} ({r['input_gb']:.2f}) | {r['contender']} | {r['wall_s']:.2f} "
-                     f"({r['min_s']:.2f}-{r['max_s']:.2f}) | {r['gb_per_s']:.3f} | {ratio} | {r['cpu_s']:.1f} "
-                     f"| {r['cpu_s_per_gb']:.2f} | {cpu_ratio} | {r['rss_mib']:.0f} |")
+                     f"({r['min_s']:.2f}-{r['max_s']:.2f}) | {r['gb_per_s']:.3f} | {ratio(r['vs_floor'])} "
+                     f"| {ratio(r['vs_cp_sync'])} | {r['cpu_s']:.1f} | {r['cpu_s_per_gb']:.2f} "
+                     f"| {ratio(r['cpu_vs_floor'])} | {len(os.sched_getaffinity(0))} | {r['rss_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -393,7 +446,7 @@ def render(rows: list[dict], *, args: argparse.Namespace, info: dict[str, str], 
         "safetensors.torch, converter.transforms'` untimed, so the data is cold and the programs are not. Each "
         "contender is a fresh child process writing a fresh directory; wall time includes an fsync of every output "
         f"file; medians of {args.repeats} repetitions, interleaved (rep 1 of every contender warm then cold, then "
-        "rep 2, ...); `x floor` and `CPU x floor` divide by the median wall and CPU seconds of the floor of the same source and cache state: `cp-sync` (`cp -r SRC DST && sync`, the same durability as convert, which fsyncs what it writes) where it ran, else `cp` (`cp -r` plus the fsync of every file it wrote); CPU s is user + system of the child and its children (wait4), not the kernel's own writeback threads; peak RSS is the largest "
+        "rep 2, ...); `x floor` and `CPU x floor` divide by the median wall and CPU seconds of the floor of the same source, cache state and layout: `floor-per-layer` / `floor-pad-global` (`scripts/floor_write.py`: that layout's own output files, names and sizes, written with O_DIRECT from read-only mappings of the source, 4 requests of 4 MiB in flight, every file fsynced; per-layer's files for `cp` and `verify`); `x cp-sync` divides by `cp -r SRC DST && sync`, which moves with the page cache's writeback; cores: the CPUs the process may use; CPU s is user + system of the child and its children (wait4), not the kernel's own writeback threads; peak RSS is the largest "
         "ru_maxrss (kernel, via wait4) of the child over its repetitions. `per-layer` and `pad-global` run with the "
         "default `--link auto` (a copy here: the filesystem has no reflinks); `per-layer-reflink` reads a copy of the "
         f"source on {args.reflink_dir or '(not run)'} (a loop-mounted XFS image with reflink=1) and writes beside it. "
@@ -437,8 +490,9 @@ def parse_args() -> argparse.Namespace:
                         "across layer counts; 0 (default) skips it")
     parser.add_argument("--small-target-shards", type=int, default=2)
     parser.add_argument("--sources", nargs="+", default=["assistant", "target", "pair"],
-                        help="which sources to run: assistant, target (both targets), target-NL, or pair (the large "
-                             "target and the assistant in one convert)")
+                        help="which sources to run: assistant, target (both targets), target-NL, pair (the large "
+                             "target and the assistant in one convert) or pair-hub (that pair as a Hugging Face cache "
+                             "snapshot, whose file names give the source hashes)")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(DEFAULT_CONTENDERS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", nargs="+", choices=["warm", "cold"], default=["warm", "cold"])

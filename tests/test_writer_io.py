@@ -270,3 +270,51 @@ def test_source_file_reads_every_byte_when_part_of_it_is_cached(tmp_path, small_
         got += buffer[:count]
     source.close()
     assert bytes(got) == data
+
+
+@pytest.mark.parametrize("in_child", [False, True], ids=["thread", "child-interpreter"])
+def test_hashing_ahead_hashes_every_file_and_names_a_changed_size(tmp_path, monkeypatch, in_child):
+    """Files at least HASH_IN_CHILD_BYTES are hashed by a child interpreter (no GIL shared with the writer); both
+    ways give hashlib's digest, and a file shorter than its header said is an InputError naming it."""
+    monkeypatch.setattr(sequential, "HASH_IN_CHILD_BYTES", 0 if in_child else 1 << 40)
+    files = {}
+    for index, size in enumerate((70_000, 5, 300_000)):
+        path, data = _payload(tmp_path, size, seed=index)
+        files[path.rename(tmp_path / f"f{index}")] = data
+    from contextlib import ExitStack
+    with ExitStack() as stack:
+        pending = sequential.hashing_ahead({path: len(data) for path, data in files.items()}, stack)
+        assert {path: p.result() for path, p in pending.items()} == \
+            {path: hashlib.sha256(data).hexdigest() for path, data in files.items()}
+    short = tmp_path / "f2"
+    with ExitStack() as stack:
+        pending = sequential.hashing_ahead({short: len(files[short]) + 1}, stack)
+        with pytest.raises(InputError, match=f"f2: is {len(files[short])} bytes, {len(files[short]) + 1} when"):
+            pending[short].result()
+
+
+def test_hashing_stopped_before_it_started_raises_instead_of_waiting(tmp_path, monkeypatch):
+    monkeypatch.setattr(sequential.os, "sched_getaffinity", lambda pid: {0})  # one hashing thread
+    paths = {}
+    for index in range(3):
+        path, data = _payload(tmp_path, 10_000, seed=index)
+        paths[path.rename(tmp_path / f"g{index}")] = len(data)
+    from contextlib import ExitStack
+    stack = ExitStack()
+    pending = sequential.hashing_ahead(paths, stack)
+    stack.close()  # stops the thread: whatever it had not started must not block result() forever
+    for item in pending.values():
+        try:
+            item.result()
+        except RuntimeError as exc:
+            assert "hashing was stopped before it" in str(exc)
+
+
+def test_copy_bytes_copies_writable_and_read_only_sources(tmp_path):
+    target = memoryview(sequential.page_aligned_buffer(4096))
+    writable = bytearray(random.Random(1).randbytes(1000))
+    writer._copy_bytes(target[10:1010], memoryview(writable))
+    assert bytes(target[10:1010]) == bytes(writable) and bytes(target[:10]) == bytes(10)
+    frozen = random.Random(2).randbytes(500)
+    writer._copy_bytes(target[:500], memoryview(frozen))
+    assert bytes(target[:500]) == frozen

@@ -1,6 +1,6 @@
 """Reads of source files through the page cache: byte ranges, front-to-back streams, and whole-file sha256s.
 
-`write` reads ranges (SourceFile.read_at) and hashes sources beside it (BackgroundSha256); `verify` compares and the
+`write` reads ranges (SourceFile.read_at) and hashes sources beside it (hashing_ahead, BackgroundSha256); `verify` compares and the
 ledger's digests hash tensor bytes through MappedFile.
 """
 
@@ -9,7 +9,10 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import queue
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -88,44 +91,84 @@ def known_sha256(path: Path) -> str | None:
     return None
 
 
-class BackgroundSha256:
-    """The sha256 of one whole file, computed by a thread that reads it front to back while the caller moves its
-    bytes elsewhere: hashlib releases the GIL, so on a machine with a core to spare the hash costs no wall time.
+HASH_READ_BYTES = 256 * 1024  # one hash read: small enough that sha256 reads it back from cache, not from memory
+HASH_IN_CHILD_BYTES = 64 * 1024 * 1024  # files at least this large are hashed by a child interpreter
 
-    Reading through its own buffer (not a shared mmap) keeps a file truncated meanwhile an InputError here,
-    never a SIGBUS. Use as a context manager, or call `result` (which joins) and `stop` on every path. `gate`: a
-    semaphore shared by hashers started ahead of their files (hashing_ahead), so that at most as many hash at once
-    as it admits.
+
+def _sha256_of(path: Path, stop: threading.Event) -> tuple[str, int]:
+    """(hex sha256, bytes hashed) of the file at path, read front to back through its own buffer (not a shared
+    mmap, so a file truncated meanwhile hashes short, an InputError for the caller, never a SIGBUS).
+
+    256 KiB reads: the bytes the kernel copies in are hashed while they are still in the core's cache; with 4 MiB
+    reads, hashing a warm 2.8 GB shard took 2.15 CPU s against 1.89 (docs/BENCHMARKS.md).
     """
+    sha256, hashed = hashlib.sha256(), 0
+    source = SourceFile(path)
+    try:
+        buffer = page_aligned_buffer(HASH_READ_BYTES)
+        while not stop.is_set() and (count := source.readinto(buffer)):
+            sha256.update(buffer[:count])
+            hashed += count
+    finally:
+        source.close()
+    return sha256.hexdigest(), hashed
 
-    def __init__(self, path: Path, *, size: int, gate: threading.Semaphore | None = None):
-        self.path, self.size, self._gate = path, size, gate
-        self._sha256 = hashlib.sha256()
+
+_CHILD = ("import sys; from pathlib import Path; from threading import Event; "
+          "from converter.read.sequential import _sha256_of; print(*_sha256_of(Path(sys.argv[1]), Event()))")
+
+
+def _sha256_in_child(path: Path, stop: threading.Event) -> tuple[str, int]:
+    """_sha256_of run by a child interpreter: a hashing thread needs this process's GIL back after every read and
+    every 256 KiB hashed, and waits up to the 5 ms switch interval for it whenever another thread runs Python code
+    (tqdm, copying into staging blocks, importing torch). Measured: the pair's five shards hashed in 2.6 s on two
+    threads alone, in 197 s beside one thread counting in a loop (docs/BENCHMARKS.md)."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=package_root)
+    while True:
+        try:
+            out, err = child.communicate(timeout=0.1)
+            break
+        except subprocess.TimeoutExpired:
+            if stop.is_set():
+                child.kill()
+                child.wait()
+                return "", 0
+    if child.returncode != 0:
+        message = err.decode(errors="replace").strip().splitlines()
+        raise InputError(f"{path}: cannot be hashed ({message[-1] if message else f'exit {child.returncode}'})")
+    digest, count = out.decode().split()
+    return digest, int(count)
+
+
+class PendingSha256:
+    """The sha256 of one whole file, computed by a thread beside the caller (hashlib releases the GIL): `result`
+    waits for it. Made by BackgroundSha256 (a thread of its own) or hashing_ahead (a few threads for many files)."""
+
+    def __init__(self, path: Path, *, size: int):
+        self.path, self.size = path, size
+        self._done = threading.Event()
+        self._digest: str | None = None
         self._hashed = 0
         self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"sha256 {path.name}", daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        if self._gate is not None:
-            while not self._gate.acquire(timeout=0.05):
-                if self._stop.is_set():
-                    return
+    def compute(self, stop: threading.Event) -> None:
         try:
-            source = SourceFile(self.path)
-            try:
-                buffer = page_aligned_buffer(BLOCK_BYTES)
-                while not self._stop.is_set() and (count := source.readinto(buffer)):
-                    self._sha256.update(buffer[:count])
-                    self._hashed += count
-            finally:
-                source.close()
+            hash_file = _sha256_in_child if self.size >= HASH_IN_CHILD_BYTES else _sha256_of
+            self._digest, self._hashed = hash_file(self.path, stop)
+            if stop.is_set() and self._hashed != self.size:  # cut short on purpose, not a changed file
+                self._error = RuntimeError(f"{self.path}: hashing was stopped before it finished")
         except BaseException as exc:  # raised by result()
             self._error = exc
         finally:
-            if self._gate is not None:
-                self._gate.release()
+            self._done.set()
+
+    def cancel(self) -> None:
+        """Ends a hash that never started (its result raises)."""
+        if not self._done.is_set():
+            self._error = RuntimeError(f"{self.path}: hashing was stopped before it started")
+            self._done.set()
 
     def result(self) -> str:
         """Waits for the hash.
@@ -133,13 +176,25 @@ class BackgroundSha256:
         Raises:
             InputError: the file is no longer `size` bytes (it changed while converting).
         """
-        self._thread.join()
+        self._done.wait()
         if self._error is not None:
             raise self._error
         if self._hashed != self.size:
             raise InputError(f"{self.path}: is {self._hashed} bytes, {self.size} when its header was read (file "
                              "changed while converting?)")
-        return self._sha256.hexdigest()
+        return self._digest
+
+
+class BackgroundSha256(PendingSha256):
+    """A PendingSha256 on a thread of its own, started at once. Use as a context manager, or call `result` and
+    `stop` on every path."""
+
+    def __init__(self, path: Path, *, size: int):
+        super().__init__(path, size=size)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.compute, args=(self._stop,), name=f"sha256 {path.name}",
+                                        daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -152,12 +207,40 @@ class BackgroundSha256:
         self.stop()
 
 
-def hashing_ahead(files: dict[Path, int], stack) -> dict[Path, BackgroundSha256]:
-    """A BackgroundSha256 for each of `files` (path -> size), entered on `stack`, as many hashing at once as the
-    process may use cores: the copies they stand beside are disk-bound, so hashing one file while another is
-    copied keeps the hashes off the critical path (docs/BENCHMARKS.md)."""
-    gate = threading.Semaphore(max(1, len(os.sched_getaffinity(0))))
-    return {path: stack.enter_context(BackgroundSha256(path, size=size, gate=gate)) for path, size in files.items()}
+def hashing_ahead(files: dict[Path, int], stack) -> dict[Path, PendingSha256]:
+    """A PendingSha256 for each of `files` (path -> size), hashed by as many threads as the process may use cores,
+    largest file first (so the last to finish is a small one), the threads stopped when `stack` closes.
+
+    Started before the first byte is copied or rewritten: the copies are disk-bound, so the hashes of every file
+    of a conversion run beside them on the cores the copies leave idle (docs/BENCHMARKS.md).
+    """
+    pending = {path: PendingSha256(path, size=size) for path, size in files.items()}
+    order: queue.SimpleQueue = queue.SimpleQueue()
+    for item in sorted(pending.values(), key=lambda item: -item.size):
+        order.put(item)
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                order.get_nowait().compute(stop)
+            except queue.Empty:
+                return
+
+    threads = [threading.Thread(target=work, name="sha256 ahead", daemon=True)
+               for _ in range(min(len(pending), max(1, len(os.sched_getaffinity(0)))))]
+    for thread in threads:
+        thread.start()
+
+    def finish() -> None:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        for item in pending.values():  # never started: result() must not wait forever after a stop
+            item.cancel()
+
+    stack.callback(finish)
+    return pending
 
 
 class MappedFile:
