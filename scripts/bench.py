@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark `gemma4-convert` against `cp -r` (the physical floor) and a naive load_file/save_file script.
+"""Benchmark `gemma4-convert` against the disk's floor (its own output files written with O_DIRECT from mappings of
+the source, fsynced: scripts/floor_write.py), `cp -r` + `sync` and a naive load_file/save_file script.
 
 Builds synthetic checkpoints with the factory (full-size 31B assistant; 31B-width text targets with the full
 262144 x 5376 embedding and N decoder layers, at two sizes so RSS can be compared across layer counts), then
@@ -82,9 +83,9 @@ def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, con
         at = single.index(str(src))
         return single[:at] + ["--target", str(src / "target"), "--assistant", str(src / "assistant")] + single[at + 1:]
     if contender == "cp":
-        return ["cp", "-r", str(src), str(out)]
+        return ["cp", "-rL", str(src), str(out)]  # -L: a Hub cache snapshot holds symlinks
     if contender == "cp-sync":  # the issue's floor at convert's durability: a copy, then everything on disk
-        return ["sh", "-c", 'cp -r "$1" "$2" && sync', "cp-sync", str(src), str(out)]
+        return ["sh", "-c", 'cp -rL "$1" "$2" && sync', "cp-sync", str(src), str(out)]
     if contender == "dd-direct":  # copy with O_DIRECT on both sides, 4 MiB requests: what convert's I/O does
         return ["sh", "-c", 'mkdir "$2" && for f in "$1"/*; do dd if="$f" of="$2/${f##*/}" bs=4M iflag=direct '
                 'oflag=direct status=none || exit 1; done', "dd-direct", str(src), str(out)]
@@ -343,7 +344,11 @@ def bench_startup(args: argparse.Namespace, log: Path) -> list[dict]:
     target, assistant = str(tiny.path / "target"), str(tiny.path / "assistant")
     commands = {"python -c pass": [PY, "-c", "pass"], "--version": [CLI, "--version"], "--help": [CLI, "--help"],
                 "inspect": [CLI, "inspect", target], "inspect --json": [CLI, "inspect", target, "--json"],
-                "check-pair": [CLI, "check-pair", target, assistant]}
+                "check-pair": [CLI, "check-pair", target, assistant],
+                # the whole per-layer conversion of the tiny pair, fsyncs included: a bound on its time to first byte
+                "convert per-layer": ["sh", "-c", 'rm -rf "$1" && exec "$2" convert --target "$3" --assistant "$4" '
+                                      '--out "$1" --layout per-layer', "convert", str(args.work_dir / "out" / "tiny"),
+                                      CLI, target, assistant]}
     times: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(STARTUP_REPEATS):  # interleaved, so a burst of load hits every command alike
         for name, command in commands.items():
@@ -446,7 +451,7 @@ def render(rows: list[dict], *, args: argparse.Namespace, info: dict[str, str], 
         "safetensors.torch, converter.transforms'` untimed, so the data is cold and the programs are not. Each "
         "contender is a fresh child process writing a fresh directory; wall time includes an fsync of every output "
         f"file; medians of {args.repeats} repetitions, interleaved (rep 1 of every contender warm then cold, then "
-        "rep 2, ...); `x floor` and `CPU x floor` divide by the median wall and CPU seconds of the floor of the same source, cache state and layout: `floor-per-layer` / `floor-pad-global` (`scripts/floor_write.py`: that layout's own output files, names and sizes, written with O_DIRECT from read-only mappings of the source, 4 requests of 4 MiB in flight, every file fsynced; per-layer's files for `cp` and `verify`); `x cp-sync` divides by `cp -r SRC DST && sync`, which moves with the page cache's writeback; cores: the CPUs the process may use; CPU s is user + system of the child and its children (wait4), not the kernel's own writeback threads; peak RSS is the largest "
+        "rep 2, ...); `x floor` and `CPU x floor` divide by the median wall and CPU seconds of the floor of the same source, cache state and layout: `floor-per-layer` / `floor-pad-global` (`scripts/floor_write.py`: that layout's own output files, names and sizes, written with O_DIRECT from read-only mappings of the source, 4 requests of 4 MiB in flight, every file fsynced; per-layer's files for `cp` and `verify`); `x cp-sync` divides by `cp -rL SRC DST && sync`, which moves with the page cache's writeback; cores: the CPUs the process may use; CPU s is user + system of the child and its children (wait4), not the kernel's own writeback threads; peak RSS is the largest "
         "ru_maxrss (kernel, via wait4) of the child over its repetitions. `per-layer` and `pad-global` run with the "
         "default `--link auto` (a copy here: the filesystem has no reflinks); `per-layer-reflink` reads a copy of the "
         f"source on {args.reflink_dir or '(not run)'} (a loop-mounted XFS image with reflink=1) and writes beside it. "

@@ -6,9 +6,11 @@ engine tests of every row, the `compat`-marked ones included, with each row reco
 every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md. Incremental by default: a row
 whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
 
-usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] SPEC [SPEC ...]
---check install|consumer: run only that check's tests and replace only its rows (the others stay as the ledger
+usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] [--case NAME ...] SPEC [SPEC ...]
+--check install|consumer|engine: run only that check's tests and replace only its rows (the others stay as the ledger
 has them).
+--case NAME: run only the rows of that case (cases.py SOURCES / ENGINE_SOURCES; repeatable) and replace only its
+rows: a new case joins the ledger without every env of the matrix (SPEC: the envs its rows run in).
 exit: 0 ledger written; 1 a test failed or an env could not be built (the ledger is left as it was, and the rows
 that passed are kept in RESUME_FILE for `--resume`); 2 usage.
 """
@@ -54,12 +56,14 @@ def build_envs(specs: list[str]) -> tuple[list[str], float]:
 
 
 def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool, resume: Path | None,
-               tests: tuple[str, ...] = TESTS) -> int:
+               tests: tuple[str, ...] = TESTS, cases: tuple[str, ...] = ()) -> int:
     env = dict(os.environ, GEMMA4_VLLM_PYTHONS=os.pathsep.join(pythons), GEMMA4_REQUIRE_VLLM="1",
                GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0",
                GEMMA4_LEDGER_RESUME=str(resume or ""))
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm027 or engine027",
            f"--junitxml={junit}", *tests]
+    if cases:  # test ids carry the case name (e.g. test_stock_vllm_load[26b-a4b-qat-q4_0-original-0.27.0-newest])
+        cmd += ["-k", " or ".join(cases)]
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
 
 
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timings", type=Path, help="write env build and per-module seconds to this JSON file")
     parser.add_argument("--check", choices=sorted(CHECK_TESTS),
                         help="run only this check's tests; the ledger's other rows are kept as they are")
+    parser.add_argument("--case", action="append", default=[], metavar="NAME",
+                        help="run only this case's rows (repeatable); the ledger's other rows are kept as they are")
     args = parser.parse_args(argv)
 
     started = time.monotonic()
@@ -89,11 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         rows_file, junit = Path(tmp) / "rows.jsonl", Path(tmp) / "junit.xml"
         rows_file.touch()
         code = run_matrix(pythons, rows_file, junit, reuse=not args.all or args.resume is not None,
-                          resume=args.resume, tests=CHECK_TESTS[args.check] if args.check else TESTS)
+                          resume=args.resume, tests=CHECK_TESTS[args.check] if args.check else TESTS,
+                          cases=tuple(args.case))
         lines = [line for line in rows_file.read_text(encoding="utf-8").splitlines() if line.strip()]
         rows = [row_from_dict(json.loads(line), where=str(rows_file)) for line in lines]
         if args.check:
             rows = [r for r in load_ledger() if r.check != args.check] + [r for r in rows if r.check == args.check]
+        if args.case:
+            rows = [r for r in load_ledger() if r.case not in args.case] + [r for r in rows if r.case in args.case]
         modules = module_seconds(junit) if junit.exists() else {}
     wall = time.monotonic() - started
     if args.timings:

