@@ -6,8 +6,8 @@ exact transform of the dequantized source, bit for bit, with padding that dequan
 re-quantized; verify passes and dequantizes like compressed-tensors' own decompressors.
 
 Schemes (llm-compressor preset names): W4A16 (Google's QAT, int4 group 32, pack-quantized), W8A16 (int8 per channel,
-weight-only, pack-quantized: the 26B-A4B QAT), W8A8 (int8 per channel with dynamic per-token int8 activations,
-int-quantized), FP8_DYNAMIC (fp8 per channel, dynamic per-token fp8 activations, float-quantized: RedHatAI's
+weight-only, pack-quantized: llm-compressor's W8A16 preset), W8A8 (int8 per channel with dynamic per-token int8
+activations, int-quantized), FP8_DYNAMIC (fp8 per channel, dynamic per-token fp8 activations, float-quantized: RedHatAI's
 FP8-dynamic). FP8_BLOCK is tests/test_fp8.py's.
 """
 

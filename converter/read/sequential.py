@@ -1,7 +1,7 @@
 """Reads of source files through the page cache: byte ranges, front-to-back streams, and whole-file sha256s.
 
-`write` reads ranges (SourceFile.read_at) and hashes sources beside it (hashing_ahead, BackgroundSha256); `verify` compares and the
-ledger's digests hash tensor bytes through MappedFile.
+`write` reads ranges (SourceFile.read_at) and hashes sources beside it (hashing_ahead, BackgroundSha256); `verify`
+compares and the ledger's digests hash tensor bytes through MappedFile.
 """
 
 from __future__ import annotations

