@@ -65,12 +65,14 @@ class Run:
     returncode: int
 
 
-CONTENDERS = ("floor-per-layer", "floor-pad-global", "cp-sync", "cp", "dd-direct", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
-              "per-layer-symlink", "pad-global", "pad-global-no-hash", "verify", "naive-per-layer", "naive-pad-global")
+CONTENDERS = ("floor-per-layer", "floor-pad-global", "cp-sync", "cp", "dd-direct", "per-layer", "per-layer-no-hash",
+              "per-layer-reflink", "per-layer-hardlink", "per-layer-symlink", "pad-global", "pad-global-no-hash",
+              "verify", "naive-per-layer", "naive-pad-global")
 PAIR_CONTENDERS = ("floor-per-layer", "floor-pad-global", "cp-sync", "cp", "per-layer", "per-layer-no-hash",
                    "pad-global", "pad-global-no-hash", "verify")
-DEFAULT_CONTENDERS = ("floor-per-layer", "floor-pad-global", "cp-sync", "cp", "per-layer", "per-layer-no-hash", "per-layer-reflink", "per-layer-hardlink",
-                      "per-layer-symlink", "pad-global", "pad-global-no-hash", "naive-pad-global", "verify")
+DEFAULT_CONTENDERS = ("floor-per-layer", "floor-pad-global", "cp-sync", "cp", "per-layer", "per-layer-no-hash",
+                      "per-layer-reflink", "per-layer-hardlink", "per-layer-symlink", "pad-global", "pad-global-no-hash",
+                      "naive-pad-global", "verify")
 
 
 def contender_command(contender: str, src: Path, out: Path, *, seq_len: int, converted: Path | None,

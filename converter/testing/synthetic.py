@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -775,23 +775,32 @@ def engine_preset(name: str = "31b") -> Preset:
     return p
 
 
-def scale_for_engine(target_dir: str | Path) -> list[str]:
-    """Rescales the target's embed_tokens and final norm in place (ENGINE_SCALES); returns the names touched."""
+def edit_in_place(checkpoint_dir: str | Path, chosen: Callable[[str], bool],
+                  edit: Callable[[str, torch.Tensor], torch.Tensor]) -> list[str]:
+    """Rewrites every tensor of the checkpoint's shards whose name is `chosen` with edit(name, tensor), shard by
+    shard; returns the names rewritten (the factory's engine adjustments, made after write_pair)."""
     from safetensors.torch import load_file
 
+    touched = []
+    for shard in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        hit = [name for name in tensors if chosen(name)]
+        for name in hit:
+            tensors[name] = edit(name, tensors[name])
+        if hit:
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+            touched += hit
+    return touched
+
+
+def scale_for_engine(target_dir: str | Path) -> list[str]:
+    """Rescales the target's embed_tokens and final norm in place (ENGINE_SCALES); returns the names touched."""
     target = Path(target_dir)
     config = json.loads((target / "config.json").read_text())
     prefix = "model.language_model." if "text_config" in config else "model."
     factors = {prefix + name: factor for name, factor in ENGINE_SCALES.items()}
-    touched = []
-    for shard in sorted(target.glob("*.safetensors")):
-        tensors = load_file(str(shard))
-        hit = [name for name in factors if name in tensors]
-        for name in hit:
-            tensors[name] = (tensors[name].float() * factors[name]).to(tensors[name].dtype)
-        if hit:
-            save_file(tensors, str(shard), metadata={"format": "pt"})
-            touched += hit
+    touched = edit_in_place(target, lambda name: name in factors,
+                            lambda name, tensor: (tensor.float() * factors[name]).to(tensor.dtype))
     if sorted(touched) != sorted(factors):
         raise ValueError(f"{target}: expected tensors {sorted(factors)}, rescaled {sorted(touched)}")
     return touched
@@ -863,18 +872,8 @@ def snap_to_q4_0_grid(target_dir: str | Path) -> list[str]:
     Raises:
         ValueError: an input dimension that blocks of 32 do not tile, or no such tensor at all.
     """
-    from safetensors.torch import load_file
-
-    touched = []
-    for shard in sorted(Path(target_dir).glob("*.safetensors")):
-        tensors = load_file(str(shard))
-        hit = [name for name in tensors if ".layers." in name and name.endswith(_Q4_0_SUFFIXES)
-               and "vision" not in name]
-        for name in hit:
-            tensors[name] = on_q4_0_grid(tensors[name]).to(tensors[name].dtype)
-        if hit:
-            save_file(tensors, str(shard), metadata={"format": "pt"})
-            touched += hit
+    touched = edit_in_place(target_dir, lambda name: ".layers." in name and name.endswith(_Q4_0_SUFFIXES)
+                            and "vision" not in name, lambda name, tensor: on_q4_0_grid(tensor).to(tensor.dtype))
     if not touched:
         raise ValueError(f"{target_dir}: no decoder projection or expert tensor to put on the Q4_0 grid")
     return touched
@@ -891,17 +890,9 @@ CALM_QK_NORM = 0.25
 
 def calm_attention(checkpoint_dir: str | Path, factor: float = CALM_QK_NORM) -> list[str]:
     """Scales every q_norm and k_norm weight of the checkpoint in place by factor; returns the names touched."""
-    from safetensors.torch import load_file
-
-    touched = []
-    for shard in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-        tensors = load_file(str(shard))
-        hit = [name for name in tensors if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))]
-        for name in hit:
-            tensors[name] = (tensors[name].float() * factor).to(tensors[name].dtype)
-        if hit:
-            save_file(tensors, str(shard), metadata={"format": "pt"})
-            touched += hit
+    touched = edit_in_place(checkpoint_dir, lambda name: name.endswith(("self_attn.q_norm.weight",
+                                                                        "self_attn.k_norm.weight")),
+                            lambda name, tensor: (tensor.float() * factor).to(tensor.dtype))
     if not touched:
         raise ValueError(f"{checkpoint_dir}: no q_norm / k_norm weight to scale")
     return touched
