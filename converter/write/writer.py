@@ -14,6 +14,7 @@ import queue
 import shutil
 import sys
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -242,7 +243,7 @@ def _open_for_writing(path: Path, *, direct: bool = True) -> tuple[io.FileIO, bo
 
 
 def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sources: dict[Path, SourceFile],
-                render: Callable[[TensorPlan, bytearray], memoryview] | None, on_bytes: Callable[[int], None],
+                render: Callable[[TensorPlan, memoryview], memoryview] | None, on_bytes: Callable[[int], None],
                 hashed: bool = True) -> str | None:
     """Writes one output shard; untouched tensors are read straight into the output's staging blocks, the rest go
     through `render` (None when the shard has no TRANSFORM tensor) on a pool of threads, ahead of the writing.
@@ -256,13 +257,13 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sourc
     with _output_errors(path):
         with _HashingWriter(path, hashed=hashed) as out, ExitStack() as stack:
             out.write(shard_header(shard, metadata))
-            rendered = _rendered_ahead(shard, sources, render, stack) if render is not None else {}
+            rendered = _rendered_ahead(shard, sources, render, stack) if render is not None else None
             for index, tensor in enumerate(shard.tensors):
                 if tensor.is_copy:
                     out.fill_from(sources[tensor.source.ref.file], tensor.source.offset, tensor.source.nbytes,
                                   on_bytes)
                     continue
-                data = rendered.pop(index).result()
+                data = rendered.take(index)
                 if len(data) != tensor.nbytes:
                     raise RuntimeError(f"{tensor.name}: transform produced {len(data)} bytes, "
                                        f"planned {tensor.nbytes}")
@@ -277,31 +278,35 @@ RENDER_AHEAD_BYTES = 128 * 1024 * 1024  # source bytes of TRANSFORM tensors rend
 
 
 def _rendered_ahead(shard: ShardPlan, sources: dict[Path, SourceFile], render, stack: ExitStack) -> "_RenderAhead":
+    """A _RenderAhead over shard's TRANSFORM tensors; its pool is shut down when `stack` closes, after what has not
+    started is cancelled (an error leaves nothing rendering)."""
     pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))),
                                                   thread_name_prefix="render"))
-    stack.callback(lambda: [future.cancel() for future in ahead.values()])  # an error: drop what has not started
     ahead = _RenderAhead(shard, sources, render, pool)
+    stack.callback(ahead.cancel)
     return ahead
 
 
-class _RenderAhead(dict):
-    """index -> Future of the rendered bytes of each TRANSFORM tensor of a shard, submitted in file order to a pool
-    of as many threads as the process may use cores (torch and preadv release the GIL), while the tensors rendered
-    and not yet taken hold at most RENDER_AHEAD_BYTES of source bytes (or are one tensor); `pop` takes one and
-    submits more. So decoding, transforming and encoding of later tensors overlap the writing of earlier ones."""
+class _RenderAhead:
+    """The rendered bytes of each TRANSFORM tensor of a shard, submitted in file order to a pool of as many threads
+    as the process may use cores (torch and preadv release the GIL), while the tensors rendered and not yet taken hold
+    at most RENDER_AHEAD_BYTES of source bytes (or are one tensor); `take` waits for one and submits more. So
+    decoding, transforming and encoding of later tensors overlap the writing of earlier ones."""
 
     def __init__(self, shard: ShardPlan, sources: dict[Path, SourceFile], render, pool: ThreadPoolExecutor):
-        super().__init__()
-        self._todo = [(i, t) for i, t in enumerate(shard.tensors) if not t.is_copy]
+        self._tensors = shard.tensors
+        self._todo = deque(i for i, t in enumerate(shard.tensors) if not t.is_copy)
         self._sources, self._render, self._pool = sources, render, pool
-        self._held: dict[int, int] = {}  # index -> source bytes, submitted and not yet popped
+        self._futures: dict[int, Future] = {}  # index -> submitted and not yet taken
         self._submit()
 
+    def _held_bytes(self) -> int:
+        return sum(self._tensors[index].source.nbytes for index in self._futures)
+
     def _submit(self) -> None:
-        while self._todo and (not self._held or sum(self._held.values()) < RENDER_AHEAD_BYTES):
-            index, tensor = self._todo.pop(0)
-            self._held[index] = tensor.source.nbytes
-            self[index] = self._pool.submit(self._render_one, tensor)
+        while self._todo and (not self._futures or self._held_bytes() < RENDER_AHEAD_BYTES):
+            index = self._todo.popleft()
+            self._futures[index] = self._pool.submit(self._render_one, self._tensors[index])
 
     def _render_one(self, tensor: TensorPlan) -> memoryview:
         # an anonymous mapping, not a bytearray: bytearray(n) zero-fills n bytes holding the GIL (0.65 s of the
@@ -311,11 +316,15 @@ class _RenderAhead(dict):
         self._sources[tensor.source.ref.file].read_at(tensor.source.offset, raw)
         return self._render(tensor, raw)
 
-    def pop(self, index: int) -> Future:  # type: ignore[override]
-        future = super().pop(index)
-        del self._held[index]
+    def take(self, index: int) -> memoryview:
+        """The rendered bytes of shard.tensors[index] (waits for them); raises what rendering raised."""
+        future = self._futures.pop(index)
         self._submit()
-        return future
+        return future.result()
+
+    def cancel(self) -> None:
+        for future in self._futures.values():
+            future.cancel()
 
 
 def make_directory(path: Path) -> None:
