@@ -23,12 +23,13 @@ BLOCK_BYTES = 4 * 1024 * 1024  # one output write (O_DIRECT) and one read-ahead 
 
 
 def page_aligned_buffer(nbytes: int) -> memoryview:
-    """A writable buffer starting on a page boundary (anonymous mmap).
+    """A writable buffer starting on a page boundary (a private anonymous mapping).
 
     A bytearray starts 16 bytes into a page; the kernel's copy into it from the page cache ran 2-3x slower
-    than into a page-aligned buffer on the bench machine (docs/BENCHMARKS.md).
+    than into a page-aligned buffer on the bench machine (docs/BENCHMARKS.md). Private, not mmap's default shared
+    mapping: a shared anonymous mapping is shmem, whose pages cost more to fault in.
     """
-    return memoryview(mmap.mmap(-1, nbytes))
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 class SourceFile:
@@ -93,6 +94,10 @@ def known_sha256(path: Path) -> str | None:
 
 HASH_READ_BYTES = 256 * 1024  # one hash read: small enough that sha256 reads it back from cache, not from memory
 HASH_IN_CHILD_BYTES = 64 * 1024 * 1024  # files at least this large are hashed by a child interpreter
+# the hashing children yield the cores to the writing process: its reads, renders and write submissions run the moment
+# they are ready, so the disk never waits on a hash, and the hashes take every cycle the writing leaves. Measured on
+# the 7.7 GB pair (2 cores): per-layer 4.70-4.90 s at the writer's priority, 3.89-4.13 s at this (docs/BENCHMARKS.md)
+HASH_CHILD_NICENESS = 19
 
 
 def _sha256_of(path: Path, stop: threading.Event) -> tuple[str, int]:
@@ -114,7 +119,7 @@ def _sha256_of(path: Path, stop: threading.Event) -> tuple[str, int]:
     return sha256.hexdigest(), hashed
 
 
-_CHILD = ("import sys; from pathlib import Path; from threading import Event; "
+_CHILD = ("import os, sys; os.nice(int(sys.argv[2])); from pathlib import Path; from threading import Event; "
           "from converter.read.sequential import _sha256_of; print(*_sha256_of(Path(sys.argv[1]), Event()))")
 
 
@@ -124,8 +129,8 @@ def _sha256_in_child(path: Path, stop: threading.Event) -> tuple[str, int]:
     (tqdm, copying into staging blocks, importing torch). Measured: the pair's five shards hashed in 2.6 s on two
     threads alone, in 197 s beside one thread counting in a loop (docs/BENCHMARKS.md)."""
     package_root = str(Path(__file__).resolve().parents[2])
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, cwd=package_root)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(HASH_CHILD_NICENESS)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=package_root)
     while True:
         try:
             out, err = child.communicate(timeout=0.1)

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator
 from ..errors import InputError, OutputError
 from ..plan import ShardPlan, TensorPlan
 from ..read.safetensors_header import encode_header
-from ..read.sequential import BLOCK_BYTES, BackgroundSha256, SourceFile, known_sha256, page_aligned_buffer
+from ..read.sequential import (BLOCK_BYTES, HASH_READ_BYTES, BackgroundSha256, SourceFile, known_sha256,
+                               page_aligned_buffer)
 from .durable import fsync_directory, fsync_tree, write_bytes_durably
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -42,7 +43,7 @@ def shard_header(shard: ShardPlan, metadata: dict[str, str]) -> bytes:
 
 
 WRITERS = 4  # O_DIRECT writes in flight: on the bench machine, with other jobs on the disk, 4 wrote ~1.5x faster than 1
-STAGED_BLOCKS = WRITERS + 2  # staging buffers: one being filled, one being hashed, the rest being written
+STAGED_BLOCKS = WRITERS + 2  # staging buffers: one being filled, the rest being written
 
 
 class _BlockWriter:
@@ -124,10 +125,12 @@ class _BlockWriter:
 class _HashingWriter:
     """Writes one output file, and hashes it, through page-aligned staging blocks of BLOCK_BYTES.
 
-    The caller fills blocks (`write` copies bytes in, `fill_from` reads a source range straight into them); each full
-    block goes to a hash thread, which hashes the blocks in file order and hands them to the _BlockWriter. So the
-    caller's reads, the sha256 and the disk writes run at once. The tail is written after O_DIRECT is switched off.
-    Use as a context manager (it stops the threads and closes the file); `finish` completes the file.
+    The caller fills blocks (`write` copies bytes in, `fill_from` reads a source range straight into them) a chunk of
+    HASH_READ_BYTES at a time and hashes each chunk at once, while it is still in the core's cache; each full block
+    goes to the _BlockWriter, so the caller's reads and hashing overlap the disk writes. Hashing whole 4 MiB blocks
+    6-24 MiB behind the filling, as a hash thread did, cost 1.2-1.4x the CPU seconds of this (docs/BENCHMARKS.md). The
+    tail is written after O_DIRECT is switched off. Use as a context manager (it stops the writers and closes the
+    file); `finish` completes the file.
     """
 
     def __init__(self, path: Path, *, hashed: bool = True):
@@ -139,9 +142,6 @@ class _HashingWriter:
         self._stage, self._staged = page_aligned_buffer(BLOCK_BYTES), 0
         self._offset = 0  # file offset of the block being staged
         self._blocks = _BlockWriter(self.handle.fileno(), direct=direct, name=path.name)
-        self._to_hash: queue.SimpleQueue = queue.SimpleQueue()
-        self._hasher = threading.Thread(target=self._hash_in_order, name=f"sha256 {path.name}", daemon=True)
-        self._hasher.start()
 
     def __enter__(self) -> "_HashingWriter":
         return self
@@ -173,32 +173,21 @@ class _HashingWriter:
             on_bytes(count)
 
     def _room(self) -> memoryview:
-        return self._stage[self._staged:]
+        """Where the next chunk goes: at most HASH_READ_BYTES, so it is hashed from the cache it was copied into."""
+        return self._stage[self._staged:self._staged + HASH_READ_BYTES]
 
     def _staged_more(self, count: int) -> None:
+        if self.sha256 is not None:
+            self.sha256.update(self._stage[self._staged:self._staged + count])
         self._staged += count
         self.written += count
         if self._staged == BLOCK_BYTES:
-            self._blocks.raise_error()
-            self._to_hash.put((self._stage, self._offset))
+            self._blocks.submit(self._stage, self._offset, done=self._free.put)
             self._offset += BLOCK_BYTES
             self._stage, self._staged = self._free.get(), 0
 
-    def _hash_in_order(self) -> None:
-        while (item := self._to_hash.get()) is not None:
-            block, offset = item
-            try:
-                if self.sha256 is not None:
-                    self.sha256.update(block)
-                self._blocks.submit(block, offset, done=self._free.put)
-            except BaseException:  # a write failed: the writers hold the error; keep the caller's buffers coming
-                self._free.put(block)
-
     def _stop(self, *, raise_errors: bool = True) -> None:
-        """Drains the hash thread, then the writers; raises the first write error."""
-        if self._hasher.is_alive():
-            self._to_hash.put(None)
-            self._hasher.join()
+        """Drains the writers; raises the first write error."""
         try:
             self._blocks.close()
         except BaseException:
@@ -209,8 +198,6 @@ class _HashingWriter:
         """Writes what is staged (durable once staged_directory fsyncs the tree)."""
         self._stop()
         tail = self._stage[:self._staged]
-        if self.sha256 is not None:
-            self.sha256.update(tail)
         if tail:
             self._blocks.write_tail(tail, self._offset)
             self._offset += self._staged
