@@ -6,6 +6,7 @@ import datetime as _dt
 import importlib
 import shutil
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +20,12 @@ from .layouts import get_layout
 from .layouts.base import layout_from_manifest
 from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
-from .plan import CheckpointPlan, TensorPlan, index_document
+from .plan import CheckpointPlan, ShardPlan, TensorPlan, index_document
 from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
 from .read.sequential import PendingSha256, SourceFile, hashing_ahead, known_sha256
 from .write.lock import output_lock
-from .write.writer import (LINK_MODES, make_directory, place_file, reflink_possible, staged_directory,
-                           write_json, write_shard)
+from .write.writer import (LINK_MODES, RenderBuffers, make_directory, place_file, reflink_possible,
+                           staged_directory, write_json, write_shard)
 
 MADE_WRITTEN = "written"  # conversion.json `output.made` of a file this tool generated
 
@@ -231,13 +232,15 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
         with staged_directory(plan.request.out, replace=plan.request.force) as staging, ExitStack() as stack:
             # every source file this conversion reads whole, hashed from the start on the cores the writes leave
             ahead = hashing_ahead(_files_to_hash(plan, staging), stack) if plan.request.hashed else {}
-            finishing = []
+            finishing, buffers = [], RenderBuffers()
+            # unchanged files are copied on a thread of their own: the disk copies them while this thread rewrites
+            copier = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy"))
             for item in plan.items:
                 directory = staging / item.subdir if item.subdir else staging
                 make_directory(directory)
                 finishing.append((item.subdir, _write_checkpoint(
                     item, directory, link=plan.request.link, hashed=plan.request.hashed, paired=paired,
-                    warnings=plan.warnings, on_bytes=on_bytes, tp=plan.request.tp, ahead=ahead,
+                    warnings=plan.warnings, on_bytes=on_bytes, tp=plan.request.tp, ahead=ahead, buffers=buffers, copier=copier,
                     origin=plan.request.origins.get(item.subdir or "single"))))
             for subdir, write_manifest in finishing:  # every byte is written: now wait for the hashes
                 outputs[subdir], how = write_manifest()
@@ -296,12 +299,17 @@ def _files_to_hash(plan: ConversionPlan, staging: Path) -> dict[Path, int]:
 
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
                       warnings: tuple[str, ...], on_bytes: Callable[[int], None],
-                      ahead: Mapping[Path, PendingSha256], origin: Mapping[str, str] | None = None,
-                      tp: int | None = None) -> Callable[[], tuple[dict[str, str | None], dict[str, str]]]:
+                      ahead: Mapping[Path, PendingSha256], buffers: RenderBuffers, copier: ThreadPoolExecutor,
+                      origin: Mapping[str, str] | None = None, tp: int | None = None
+                      ) -> Callable[[], tuple[dict[str, str | None], dict[str, str]]]:
     """Writes item's files into directory; returns what writes its manifest once the hashes it waits for are done
-    (called after every checkpoint's bytes are written, so no copy waits for a hash)."""
+    (called after every checkpoint's bytes are written, so no copy waits for a hash).
+
+    Unchanged source files are placed by `copier` while this thread rewrites the rest: a copy is the disk's work
+    (O_DIRECT from the page cache, ~0.1 CPU s per GB) and a rewrite the cores', so each hides the other. On the
+    7.7 GB pair, pad-global's rewriting started 1.8 s later when it waited for the 2.8 GB copy (docs/BENCHMARKS.md).
+    """
     plan, source = item.plan, item.source
-    render = None
     sizes = {shard.file: shard.size for shard in source.shards}
     files: dict[str, PendingSha256 | str | None] = {}
     made: dict[str, str] = {}
@@ -309,27 +317,30 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
     with ExitStack() as stack:
         opened: dict[Path, SourceFile] = {}
         hashing: dict[Path, PendingSha256 | str | None] = {}
-        # unchanged files first: their copies hide the import of torch (_import_in_background) that rewriting waits on
-        for shard in sorted(plan.shards, key=lambda shard: shard.same_as is None):
+        placing: list[tuple[ShardPlan, Future]] = []
+        for shard in plan.shards:
             if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
-                made[shard.file_name], digest = place_file(shard.same_as, directory / shard.file_name, link=link,
-                                                           expected_size=sizes[shard.same_as],
-                                                           hashed=hashed and shard.same_as not in ahead)
-                if made[shard.file_name] == "copy" and shard.same_as in ahead:
-                    digest = ahead[shard.same_as]  # waited for by write_manifest
-                files[shard.file_name] = source_hashes[shard.same_as.name] = digest
-                on_bytes(sum(t.source.nbytes for t in shard.tensors))
+                placing.append((shard, copier.submit(
+                    _place_whole, shard, directory, link=link, expected_size=sizes[shard.same_as],
+                    hashed=hashed and shard.same_as not in ahead, on_bytes=on_bytes)))
+        for shard in plan.shards:
+            if shard.same_as is not None:
                 continue
             for path in dict.fromkeys(t.source.ref.file for t in shard.tensors):
                 if path not in opened:  # each source's sha256 hashed ahead (or known) while its bytes are rewritten
                     opened[path] = stack.enter_context(closing(SourceFile(path)))
                     hashing[path] = (known_sha256(path) or ahead[path]) if hashed else None
-            if render is None and not all(tensor.is_copy for tensor in shard.tensors):
-                from .transforms import render_transform as render  # torch (~2 s to import): only when a tensor changes
+            render = None if all(tensor.is_copy for tensor in shard.tensors) else _render_transform
             files[shard.file_name] = write_shard(directory / shard.file_name, shard, metadata=dict(plan.metadata),
-                                                 sources=opened, render=render, on_bytes=on_bytes, hashed=hashed)
+                                                 sources=opened, render=render, on_bytes=on_bytes, hashed=hashed,
+                                                 buffers=buffers)
             made[shard.file_name] = MADE_WRITTEN
         source_hashes.update({path.name: digest for path, digest in hashing.items()})
+        for shard, placed in placing:
+            made[shard.file_name], digest = placed.result()
+            if made[shard.file_name] == "copy" and shard.same_as in ahead:
+                digest = ahead[shard.same_as]  # waited for by write_manifest
+            files[shard.file_name] = source_hashes[shard.same_as.name] = digest
     if plan.indexed:
         files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
     files["config.json"], made["config.json"] = write_json(directory / "config.json", plan.config), MADE_WRITTEN
@@ -346,6 +357,22 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
         return resolved, made
 
     return write_manifest
+
+
+def _render_transform(tensor: TensorPlan, raw: memoryview, out: memoryview) -> memoryview:
+    """transforms.render_transform, imported by the render threads at their first tensor: torch takes ~1 s to import
+    (started by _import_in_background), and the untouched tensors before it need not wait for it."""
+    from .transforms import render_transform
+    return render_transform(tensor, raw, out)
+
+
+def _place_whole(shard: ShardPlan, directory: Path, *, link: str, expected_size: int, hashed: bool,
+                 on_bytes: Callable[[int], None]) -> tuple[str, str | None]:
+    """place_file of an unchanged source shard, its bytes counted as done."""
+    placed = place_file(shard.same_as, directory / shard.file_name, link=link, expected_size=expected_size,
+                        hashed=hashed)
+    on_bytes(sum(t.source.nbytes for t in shard.tensors))
+    return placed
 
 
 def _resolved(digest: PendingSha256 | str | None) -> str | None:

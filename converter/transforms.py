@@ -27,6 +27,21 @@ def _as_int(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(_INT_VIEW[tensor.element_size()])
 
 
+def _repeat_interleave(values: torch.Tensor, repeats: int, dim: int, out: torch.Tensor | None) -> torch.Tensor:
+    """values.repeat_interleave(repeats, dim), written into `out` (a flat byte tensor of the result's size) when given.
+
+    A reused `out` saves the kernel faulting in and zeroing the pages of a new result before they are written: in a
+    pad-global conversion of the 7.7 GB pair that zeroing cost as much CPU as reading the sources (docs/BENCHMARKS.md).
+    """
+    if out is None:
+        return values.repeat_interleave(repeats, dim=dim)
+    shape = tuple(values.shape)
+    spread = (*shape[:dim + 1], repeats, *shape[dim + 1:])
+    target = out.view(values.dtype).view(spread)
+    target.copy_(values.unsqueeze(dim + 1).expand(spread))
+    return target.view(*shape[:dim], shape[dim] * repeats, *shape[dim + 1:])
+
+
 def _head_ratio(head_dim: int, target_head_dim: int) -> int:
     if head_dim % 2 or target_head_dim % head_dim:
         raise ValueError(f"cannot place head_dim {head_dim} into {target_head_dim}: need an even head_dim "
@@ -39,7 +54,8 @@ def _check_rows(tensor: torch.Tensor, rows: int, what: str) -> None:
         raise ValueError(f"{what}: expected {rows} rows, got shape {tuple(tensor.shape)}")
 
 
-def pad_head_rows(weight: torch.Tensor, *, num_heads: int, head_dim: int, target_head_dim: int) -> torch.Tensor:
+def pad_head_rows(weight: torch.Tensor, *, num_heads: int, head_dim: int, target_head_dim: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Grows each head's rows from head_dim to target_head_dim, duplicating every row into its copy slots.
 
     Args:
@@ -47,6 +63,7 @@ def pad_head_rows(weight: torch.Tensor, *, num_heads: int, head_dim: int, target
         num_heads: heads stacked along the rows.
         head_dim: current rows per head (d).
         target_head_dim: rows per head after padding (D, an integer multiple of d).
+        out: where to write the result (a flat byte tensor of its size), as every transform takes it.
 
     Returns:
         Tensor with num_heads * target_head_dim rows: per head and per half, each row repeated r = D/d times.
@@ -55,18 +72,24 @@ def pad_head_rows(weight: torch.Tensor, *, num_heads: int, head_dim: int, target
     _check_rows(weight, num_heads * head_dim, "pad_head_rows")
     rest = tuple(weight.shape[1:])
     halves = _as_int(weight).reshape(num_heads, 2, head_dim // 2, *rest)
-    padded = halves.repeat_interleave(ratio, dim=2)
+    padded = _repeat_interleave(halves, ratio, 2, out)
     return padded.reshape(num_heads * target_head_dim, *rest).view(weight.dtype)
 
 
-def _place_primary(values: torch.Tensor, ratio: int) -> torch.Tensor:
-    """[..., n] -> [..., n * ratio] with values at every ratio-th slot and zero bits elsewhere."""
-    out = torch.zeros(*values.shape, ratio, dtype=values.dtype)
-    out[..., 0] = values
-    return out.reshape(*values.shape[:-1], values.shape[-1] * ratio)
+def _place_primary(values: torch.Tensor, ratio: int, out: torch.Tensor | None) -> torch.Tensor:
+    """[..., n] -> [..., n * ratio] with values at every ratio-th slot and zero bits elsewhere (written into `out`,
+    a flat byte tensor of the result's size, when given)."""
+    if out is None:
+        placed = torch.zeros(*values.shape, ratio, dtype=values.dtype)
+    else:
+        placed = out.view(values.dtype).view(*values.shape, ratio)
+        placed[..., 1:] = 0
+    placed[..., 0] = values
+    return placed.view(*values.shape[:-1], values.shape[-1] * ratio)
 
 
-def pad_head_norm(weight: torch.Tensor, *, head_dim: int, target_head_dim: int) -> torch.Tensor:
+def pad_head_norm(weight: torch.Tensor, *, head_dim: int, target_head_dim: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """q_norm / k_norm weight [d] -> [D]: original values at the primary slots, zeros at the copies.
 
     The duplicated rows keep the RMS of each head unchanged; the zero weights silence the copies
@@ -75,10 +98,11 @@ def pad_head_norm(weight: torch.Tensor, *, head_dim: int, target_head_dim: int) 
     ratio = _head_ratio(head_dim, target_head_dim)
     if tuple(weight.shape) != (head_dim,):
         raise ValueError(f"pad_head_norm: expected shape ({head_dim},), got {tuple(weight.shape)}")
-    return _place_primary(_as_int(weight), ratio).view(weight.dtype)
+    return _place_primary(_as_int(weight), ratio, out).view(weight.dtype)
 
 
-def pad_head_columns(weight: torch.Tensor, *, num_heads: int, head_dim: int, target_head_dim: int) -> torch.Tensor:
+def pad_head_columns(weight: torch.Tensor, *, num_heads: int, head_dim: int, target_head_dim: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """o_proj weight [out, num_heads * d] -> [out, num_heads * D]: W at the primary columns, zeros at the copies.
 
     Per-output-row scales (fp8 per-channel) need no change: zero is exact under any scale.
@@ -86,10 +110,11 @@ def pad_head_columns(weight: torch.Tensor, *, num_heads: int, head_dim: int, tar
     ratio = _head_ratio(head_dim, target_head_dim)
     if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim:
         raise ValueError(f"pad_head_columns: expected [*, {num_heads * head_dim}], got {tuple(weight.shape)}")
-    return _place_primary(_as_int(weight), ratio).view(weight.dtype)
+    return _place_primary(_as_int(weight), ratio, out).view(weight.dtype)
 
 
-def replicate_kv_heads(weight: torch.Tensor, *, num_heads: int, head_dim: int, repeats: int) -> torch.Tensor:
+def replicate_kv_heads(weight: torch.Tensor, *, num_heads: int, head_dim: int, repeats: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Repeats each KV head `repeats` times in place: head j -> heads j*repeats .. j*repeats + repeats - 1.
 
     Exact for grouped-query attention: query head h reads KV head h // (H / kv) before and after.
@@ -106,10 +131,10 @@ def replicate_kv_heads(weight: torch.Tensor, *, num_heads: int, head_dim: int, r
     _check_rows(weight, num_heads * head_dim, "replicate_kv_heads")
     rest = tuple(weight.shape[1:])
     heads = _as_int(weight).reshape(num_heads, head_dim, *rest)
-    return heads.repeat_interleave(repeats, dim=0).reshape(num_heads * repeats * head_dim, *rest).view(weight.dtype)
+    return _repeat_interleave(heads, repeats, 0, out).reshape(num_heads * repeats * head_dim, *rest).view(weight.dtype)
 
 
-def repeat_rows(weight: torch.Tensor, *, repeats: int) -> torch.Tensor:
+def repeat_rows(weight: torch.Tensor, *, repeats: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """[n, ...] -> [n * repeats, ...], row k repeated at k*repeats .. k*repeats + repeats - 1.
 
     An fp8 `block` q/k/v scale: pad_head_rows puts source row j at rows j*r .. j*r + r - 1 (per half and per head
@@ -118,10 +143,10 @@ def repeat_rows(weight: torch.Tensor, *, repeats: int) -> torch.Tensor:
     """
     if weight.dim() == 0:
         raise ValueError("repeat_rows: expected at least one dimension")
-    return _as_int(weight).repeat_interleave(repeats, dim=0).view(weight.dtype)
+    return _repeat_interleave(_as_int(weight), repeats, 0, out).view(weight.dtype)
 
 
-def repeat_columns(weight: torch.Tensor, *, repeats: int) -> torch.Tensor:
+def repeat_columns(weight: torch.Tensor, *, repeats: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """[rows, n] -> [rows, n * repeats], column c repeated at c*repeats .. c*repeats + repeats - 1.
 
     An fp8 `block` o_proj scale: after pad_head_columns spreads input column j to j*r, output column block b holds
@@ -129,7 +154,7 @@ def repeat_columns(weight: torch.Tensor, *, repeats: int) -> torch.Tensor:
     """
     if weight.dim() != 2:
         raise ValueError(f"repeat_columns: expected a 2-D tensor, got shape {tuple(weight.shape)}")
-    return _as_int(weight).repeat_interleave(repeats, dim=1).view(weight.dtype)
+    return _repeat_interleave(_as_int(weight), repeats, 1, out).view(weight.dtype)
 
 
 def _unpack_codes(words: torch.Tensor, num_bits: int) -> torch.Tensor:
@@ -160,11 +185,12 @@ def unpack_signed_codes(words: torch.Tensor, columns: int) -> torch.Tensor:
     return (_unpack_codes(words, num_bits)[..., :columns] - (1 << (num_bits - 1))).to(torch.int8)
 
 
-def pad_packed_columns(weight: torch.Tensor, *, num_bits: int, ratio: int) -> torch.Tensor:
+def pad_packed_columns(weight: torch.Tensor, *, num_bits: int, ratio: int, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """A pack-quantized o_proj weight: int32 words of num_bits codes [out, in * num_bits / 32] -> the words of
     [out, in * ratio] codes, code c at column c * ratio (as pad_head_columns places W) and the zero code at the
     copies: compressed-tensors stores a symmetric code as value + 2**(num_bits - 1), so that offset dequantizes to
-    exactly 0 under any scale."""
+    exactly 0 under any scale. (`out` is not used: the codes are unpacked into new tensors anyway.)"""
     if weight.dtype != torch.int32 or weight.dim() != 2 or num_bits not in (4, 8) or ratio < 1:
         raise ValueError(f"pad_packed_columns: expected 2-D int32 words of 4- or 8-bit codes, got {weight.dtype} "
                          f"{tuple(weight.shape)} with num_bits {num_bits}, ratio {ratio}")
@@ -174,9 +200,10 @@ def pad_packed_columns(weight: torch.Tensor, *, num_bits: int, ratio: int) -> to
     return _pack_codes(padded.reshape(codes.shape[0], -1), num_bits)
 
 
-def scale_weight_shape(weight: torch.Tensor, *, rows: int = 1, columns: int = 1) -> torch.Tensor:
+def scale_weight_shape(weight: torch.Tensor, *, rows: int = 1, columns: int = 1, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """A pack-quantized `weight_shape` [out, in]: the unpacked weight's shape after its rows grew `rows` times and
-    its columns `columns` times (vLLM checks the packed tensor against it)."""
+    its columns `columns` times (vLLM checks the packed tensor against it). (`out` is not used: two integers.)"""
     if tuple(weight.shape) != (2,) or weight.dtype.is_floating_point:
         raise ValueError(f"scale_weight_shape: expected an integer [2] weight_shape, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -195,9 +222,11 @@ TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def apply_transform(name: str, tensor: torch.Tensor, params: dict[str, int]) -> torch.Tensor:
-    """Runs the named transform; the name and params are what conversion.json records for the tensor."""
-    return TRANSFORMS[name](tensor, **params)
+def apply_transform(name: str, tensor: torch.Tensor, params: dict[str, int], out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """Runs the named transform; the name and params are what conversion.json records for the tensor. The result is
+    written into `out` (a flat byte tensor of its size) where the transform can, else into a new tensor."""
+    return TRANSFORMS[name](tensor, out=out, **params)
 
 
 def decode(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -215,9 +244,12 @@ def encode(tensor: torch.Tensor) -> memoryview:
 
 
 def transform_bytes(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...], name: str,
-                    params: dict[str, int]) -> memoryview:
-    """Decode, apply the named transform, encode: what the writer and `verify` both run for a TRANSFORM tensor."""
-    return encode(apply_transform(name, decode(raw, dtype=dtype, shape=shape), params))
+                    params: dict[str, int], out: memoryview | None = None) -> memoryview:
+    """Decode, apply the named transform, encode: what the writer and `verify` both run for a TRANSFORM tensor.
+    `out` (writable, the result's size) is where the result is written where the transform can (see apply_transform);
+    the bytes returned may be a view of it."""
+    into = torch.frombuffer(out, dtype=torch.uint8) if out is not None and len(out) else None
+    return encode(apply_transform(name, decode(raw, dtype=dtype, shape=shape), params, into))
 
 
 def torch_dtype(safetensors_dtype: str) -> torch.dtype:
@@ -225,8 +257,8 @@ def torch_dtype(safetensors_dtype: str) -> torch.dtype:
     return getattr(torch, DTYPES[safetensors_dtype][0])
 
 
-def render_transform(tensor: TensorPlan, raw: bytearray | memoryview) -> memoryview:
+def render_transform(tensor: TensorPlan, raw: bytearray | memoryview, out: memoryview | None = None) -> memoryview:
     """The bytes of a TRANSFORM tensor, computed from its source bytes: what the writer writes and `verify`
-    recomputes (one function, so the two can never disagree)."""
+    recomputes (one function, so the two can never disagree). `out`: as transform_bytes takes it."""
     return transform_bytes(raw, dtype=torch_dtype(tensor.dtype), shape=tensor.source.shape, name=tensor.transform,
-                           params=dict(tensor.params))
+                           params=dict(tensor.params), out=out)

@@ -200,8 +200,8 @@ def test_untouched_tensors_are_never_decoded(pair, tmp_path, monkeypatch):
     from converter import pipeline, transforms
     calls = []
     original = transforms.render_transform
-    monkeypatch.setattr(transforms, "render_transform", lambda tensor, raw: calls.append(tensor.name) or
-                        original(tensor, raw))
+    monkeypatch.setattr(transforms, "render_transform", lambda tensor, raw, out=None: calls.append(tensor.name) or
+                        original(tensor, raw, out))
     plan = pipeline.plan_conversion(pipeline.ConvertRequest(out=tmp_path / "o", layout="pad-global",
                                                             target=pair / "target", assistant=pair / "assistant"))
     pipeline.execute(plan)

@@ -111,3 +111,27 @@ def test_scale_weight_shape_is_integer_only():
     assert scale_weight_shape(shape, rows=4).tolist() == [2688, 8192]
     with pytest.raises(ValueError, match="integer \\[2\\] weight_shape"):
         scale_weight_shape(torch.tensor([1.0, 2.0]), rows=2)
+
+
+_INTO_CASES = [
+    ("pad_head_rows", (16, 3), {"num_heads": 2, "head_dim": 8, "target_head_dim": 32}),
+    ("pad_head_norm", (8,), {"head_dim": 8, "target_head_dim": 16}),
+    ("pad_head_columns", (3, 16), {"num_heads": 2, "head_dim": 8, "target_head_dim": 16}),
+    ("replicate_kv_heads", (16, 3), {"num_heads": 2, "head_dim": 8, "repeats": 3}),
+    ("repeat_rows", (4, 2), {"repeats": 2}),
+    ("repeat_columns", (2, 4), {"repeats": 2}),
+]
+
+
+@pytest.mark.parametrize("name,shape,params", _INTO_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_reused_output_buffer_gets_the_same_bytes_as_a_new_tensor(name, shape, params, dtype):
+    """The writer renders into buffers it reuses (stale bytes from the previous tensor left in them): the bytes
+    written there must be those of a fresh result, zero slots included."""
+    from converter.transforms import apply_transform
+    source = torch.randn(*shape).to(dtype)
+    fresh = encode(apply_transform(name, source, params))
+    stale = torch.full((len(fresh),), 0xA5, dtype=torch.uint8)
+    into = encode(apply_transform(name, source, params, out=stale))
+    assert bytes(into) == bytes(fresh)
+    assert bytes(stale.numpy()) == bytes(fresh)  # written in place, not beside it

@@ -6,6 +6,7 @@ Block sizes are shrunk to one page so KB-sized files cross many chunk and block 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import hashlib
@@ -154,7 +155,7 @@ def test_write_shard_copies_ranges_and_renders_the_rest(tmp_path, small_blocks):
     shard = dataclasses.replace(shard, tensors=shard.tensors[:2] + (transformed,) + shard.tensors[3:])
     digest = writer.write_shard(tmp_path / "out.safetensors", shard, metadata={},
                                 sources={path: sequential.SourceFile(path)},
-                                render=lambda t, raw: memoryview(bytes(raw[::-1])), on_bytes=lambda n: None)
+                                render=lambda t, raw, out: memoryview(bytes(raw[::-1])), on_bytes=lambda n: None)
     written = (tmp_path / "out.safetensors").read_bytes()
     header = writer.shard_header(shard, {})
     pieces = [data[t.source.offset:t.source.offset + t.source.nbytes] for t in shard.tensors]
@@ -162,12 +163,37 @@ def test_write_shard_copies_ranges_and_renders_the_rest(tmp_path, small_blocks):
     assert written == header + b"".join(pieces) and digest == hashlib.sha256(written).hexdigest()
 
 
+def _reverse_into(tensor, raw: memoryview, out: memoryview) -> memoryview:
+    out[:] = bytes(raw)[::-1]
+    return out
+
+
+def test_render_buffers_are_reused_across_shards_without_stale_bytes(tmp_path, small_blocks):
+    """Shards of one conversion share RenderBuffers: the second shard renders into the first one's buffers (same
+    sizes), and every byte written is its own."""
+    path, data = _payload(tmp_path)
+    buffers = writer.RenderBuffers()
+    handed_out = []
+    original_get = buffers.get
+    buffers.get = lambda n: handed_out.append(original_get(n)) or handed_out[-1]
+    for name, sizes in (("one.safetensors", [3000, 7000, 3000]), ("two.safetensors", [7000, 3000, 7000])):
+        shard = _shard(path, sizes)
+        shard = dataclasses.replace(shard, tensors=tuple(
+            dataclasses.replace(t, action="transformed", transform="reverse") for t in shard.tensors))
+        writer.write_shard(tmp_path / name, shard, metadata={}, sources={path: sequential.SourceFile(path)},
+                           render=_reverse_into, on_bytes=lambda n: None, buffers=buffers)
+        pieces = [data[t.source.offset:t.source.offset + t.source.nbytes][::-1] for t in shard.tensors]
+        assert (tmp_path / name).read_bytes() == writer.shard_header(shard, {}) + b"".join(pieces)
+    addresses = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in handed_out]
+    assert len(set(addresses)) < len(addresses)  # some buffer was handed out twice
+
+
 def test_read_errors_surface_and_no_thread_is_left(tmp_path, small_blocks):
     path, data = _payload(tmp_path, size=20_000)
     before = threading.active_count()
     with pytest.raises(InputError, match="ended .* bytes early"):
         writer.write_shard(tmp_path / "a.safetensors", _shard(path, [15_000, 9000]), metadata={},
-                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw: memoryview(raw),
+                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(raw),
                            on_bytes=lambda n: None)
     assert threading.active_count() == before
 
@@ -181,7 +207,7 @@ def test_an_interrupted_shard_stops_every_thread(tmp_path, small_blocks):
 
     with pytest.raises(KeyboardInterrupt):
         writer.write_shard(tmp_path / "b.safetensors", _shard(path, [40_000]), metadata={},
-                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw: memoryview(raw),
+                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(raw),
                            on_bytes=fail)
     assert threading.active_count() == before
 

@@ -230,13 +230,16 @@ def _open_for_writing(path: Path, *, direct: bool = True) -> tuple[io.FileIO, bo
 
 
 def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sources: dict[Path, SourceFile],
-                render: Callable[[TensorPlan, memoryview], memoryview] | None, on_bytes: Callable[[int], None],
-                hashed: bool = True) -> str | None:
+                render: Callable[[TensorPlan, memoryview, memoryview], memoryview] | None,
+                on_bytes: Callable[[int], None], hashed: bool = True, buffers: "RenderBuffers | None" = None
+                ) -> str | None:
     """Writes one output shard; untouched tensors are read straight into the output's staging blocks, the rest go
     through `render` (None when the shard has no TRANSFORM tensor) on a pool of threads, ahead of the writing.
 
     The output is hashed on a thread as its blocks fill (the sources are hashed by the caller's hashing_ahead), and
-    written by the _BlockWriter's threads: reading, rendering, hashing and writing overlap on every core.
+    written by the _BlockWriter's threads: reading, rendering, hashing and writing overlap on every core. `render`
+    reads a tensor's source bytes from its second argument and writes the result into its third where it can, both
+    taken from `buffers` (one RenderBuffers for every shard of a conversion, so later shards reuse them too).
 
     Returns:
         sha256 of the written file (None when not `hashed`).
@@ -244,32 +247,63 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sourc
     with _output_errors(path):
         with _HashingWriter(path, hashed=hashed) as out, ExitStack() as stack:
             out.write(shard_header(shard, metadata))
-            rendered = _rendered_ahead(shard, sources, render, stack) if render is not None else None
+            rendered = _rendered_ahead(shard, sources, render, buffers or RenderBuffers(), stack) \
+                if render is not None else None
             for index, tensor in enumerate(shard.tensors):
                 if tensor.is_copy:
                     out.fill_from(sources[tensor.source.ref.file], tensor.source.offset, tensor.source.nbytes,
                                   on_bytes)
                     continue
-                data = rendered.take(index)
-                if len(data) != tensor.nbytes:
-                    raise RuntimeError(f"{tensor.name}: transform produced {len(data)} bytes, "
-                                       f"planned {tensor.nbytes}")
-                out.write(data)
-                del data
+                with rendered.take(index) as data:
+                    if len(data) != tensor.nbytes:
+                        raise RuntimeError(f"{tensor.name}: transform produced {len(data)} bytes, "
+                                           f"planned {tensor.nbytes}")
+                    out.write(data)
                 on_bytes(tensor.source.nbytes)
             out.finish()
     return out.sha256.hexdigest() if out.sha256 is not None else None
 
 
-RENDER_AHEAD_BYTES = 128 * 1024 * 1024  # source bytes of TRANSFORM tensors rendered and not yet written (peak RSS)
+RENDER_AHEAD_BYTES = 64 * 1024 * 1024  # source bytes of TRANSFORM tensors rendered and not yet written (peak RSS)
 
 
-def _rendered_ahead(shard: ShardPlan, sources: dict[Path, SourceFile], render, stack: ExitStack) -> "_RenderAhead":
+class RenderBuffers:
+    """Page-aligned buffers for rendering, handed out by size and taken back after the bytes are written, so the
+    tensors of one shape (every layer's q_proj, say) reuse the same pages.
+
+    A new buffer's pages are faulted in and zeroed by the kernel before the first byte is written to them: in a
+    pad-global conversion of the 7.7 GB pair that zeroing (for the source bytes read in and the results written out)
+    cost as much CPU as the reads themselves (docs/BENCHMARKS.md). At most `keep_bytes` of idle buffers are kept.
+    """
+
+    def __init__(self, keep_bytes: int | None = None):
+        self._keep = 2 * RENDER_AHEAD_BYTES if keep_bytes is None else keep_bytes
+        self._idle: dict[int, list[memoryview]] = {}
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> memoryview:
+        with self._lock:
+            idle = self._idle.get(nbytes)
+            if idle:
+                self._idle_bytes -= nbytes
+                return idle.pop()
+        return page_aligned_buffer(nbytes) if nbytes else memoryview(bytearray())
+
+    def put(self, buffer: memoryview) -> None:
+        with self._lock:
+            if buffer.nbytes and self._idle_bytes + buffer.nbytes <= self._keep:
+                self._idle.setdefault(buffer.nbytes, []).append(buffer)
+                self._idle_bytes += buffer.nbytes
+
+
+def _rendered_ahead(shard: ShardPlan, sources: dict[Path, SourceFile], render, buffers: RenderBuffers,
+                    stack: ExitStack) -> "_RenderAhead":
     """A _RenderAhead over shard's TRANSFORM tensors; its pool is shut down when `stack` closes, after what has not
     started is cancelled (an error leaves nothing rendering)."""
     pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))),
                                                   thread_name_prefix="render"))
-    ahead = _RenderAhead(shard, sources, render, pool)
+    ahead = _RenderAhead(shard, sources, render, buffers, pool)
     stack.callback(ahead.cancel)
     return ahead
 
@@ -278,12 +312,14 @@ class _RenderAhead:
     """The rendered bytes of each TRANSFORM tensor of a shard, submitted in file order to a pool of as many threads
     as the process may use cores (torch and preadv release the GIL), while the tensors rendered and not yet taken hold
     at most RENDER_AHEAD_BYTES of source bytes (or are one tensor); `take` waits for one and submits more. So
-    decoding, transforming and encoding of later tensors overlap the writing of earlier ones."""
+    decoding, transforming and encoding of later tensors overlap the writing of earlier ones. Each tensor's source
+    bytes are read into, and its result rendered into, buffers from `buffers`, which get them back once written."""
 
-    def __init__(self, shard: ShardPlan, sources: dict[Path, SourceFile], render, pool: ThreadPoolExecutor):
+    def __init__(self, shard: ShardPlan, sources: dict[Path, SourceFile], render, buffers: RenderBuffers,
+                 pool: ThreadPoolExecutor):
         self._tensors = shard.tensors
         self._todo = deque(i for i, t in enumerate(shard.tensors) if not t.is_copy)
-        self._sources, self._render, self._pool = sources, render, pool
+        self._sources, self._render, self._buffers, self._pool = sources, render, buffers, pool
         self._futures: dict[int, Future] = {}  # index -> submitted and not yet taken
         self._submit()
 
@@ -295,19 +331,26 @@ class _RenderAhead:
             index = self._todo.popleft()
             self._futures[index] = self._pool.submit(self._render_one, self._tensors[index])
 
-    def _render_one(self, tensor: TensorPlan) -> memoryview:
-        # an anonymous mapping, not a bytearray: bytearray(n) zero-fills n bytes holding the GIL (0.65 s of the
+    def _render_one(self, tensor: TensorPlan) -> tuple[memoryview, tuple[memoryview, memoryview]]:
+        # anonymous mappings, not bytearrays: bytearray(n) zero-fills n bytes holding the GIL (0.65 s of the
         # 3.5 s the GIL was held in a pad-global conversion of the 7.7 GB pair), a mapping faults its pages in
         # during the read, which releases it
-        raw = page_aligned_buffer(tensor.source.nbytes) if tensor.source.nbytes else memoryview(bytearray())
+        raw, into = self._buffers.get(tensor.source.nbytes), self._buffers.get(tensor.nbytes)
         self._sources[tensor.source.ref.file].read_at(tensor.source.offset, raw)
-        return self._render(tensor, raw)
+        return self._render(tensor, raw, into), (raw, into)
 
-    def take(self, index: int) -> memoryview:
-        """The rendered bytes of shard.tensors[index] (waits for them); raises what rendering raised."""
+    @contextmanager
+    def take(self, index: int) -> Iterator[memoryview]:
+        """The rendered bytes of shard.tensors[index] (waits for them), valid inside the `with`: its buffers go back
+        for reuse after it. Raises what rendering raised."""
         future = self._futures.pop(index)
         self._submit()
-        return future.result()
+        data, held = future.result()
+        try:
+            yield data
+        finally:
+            for buffer in held:
+                self._buffers.put(buffer)
 
     def cancel(self) -> None:
         for future in self._futures.values():
