@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib
+import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -232,15 +233,13 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
         with staged_directory(plan.request.out, replace=plan.request.force) as staging, ExitStack() as stack:
             # every source file this conversion reads whole, hashed from the start on the cores the writes leave
             ahead = hashing_ahead(_files_to_hash(plan, staging), stack) if plan.request.hashed else {}
-            finishing, buffers = [], RenderBuffers()
-            # unchanged files are copied on a thread of their own: the disk copies them while this thread rewrites
-            copier = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy"))
+            finishing, writers = [], _Writers.started(stack)
             for item in plan.items:
                 directory = staging / item.subdir if item.subdir else staging
                 make_directory(directory)
                 finishing.append((item.subdir, _write_checkpoint(
                     item, directory, link=plan.request.link, hashed=plan.request.hashed, paired=paired,
-                    warnings=plan.warnings, on_bytes=on_bytes, tp=plan.request.tp, ahead=ahead, buffers=buffers, copier=copier,
+                    warnings=plan.warnings, on_bytes=on_bytes, tp=plan.request.tp, ahead=ahead, writers=writers,
                     origin=plan.request.origins.get(item.subdir or "single"))))
             for subdir, write_manifest in finishing:  # every byte is written: now wait for the hashes
                 outputs[subdir], how = write_manifest()
@@ -299,48 +298,31 @@ def _files_to_hash(plan: ConversionPlan, staging: Path) -> dict[Path, int]:
 
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
                       warnings: tuple[str, ...], on_bytes: Callable[[int], None],
-                      ahead: Mapping[Path, PendingSha256], buffers: RenderBuffers, copier: ThreadPoolExecutor,
+                      ahead: Mapping[Path, PendingSha256], writers: "_Writers",
                       origin: Mapping[str, str] | None = None, tp: int | None = None
                       ) -> Callable[[], tuple[dict[str, str | None], dict[str, str]]]:
-    """Writes item's files into directory; returns what writes its manifest once the hashes it waits for are done
-    (called after every checkpoint's bytes are written, so no copy waits for a hash).
-
-    Unchanged source files are placed by `copier` while this thread rewrites the rest: a copy is the disk's work
-    (O_DIRECT from the page cache, ~0.1 CPU s per GB) and a rewrite the cores', so each hides the other. On the
-    7.7 GB pair, pad-global's rewriting started 1.8 s later when it waited for the 2.8 GB copy (docs/BENCHMARKS.md).
-    """
+    """Starts writing item's files into directory (its shards by `writers`, the small files at once); returns what
+    waits for them and for the hashes, then writes the manifest (called after every checkpoint's files are started,
+    so no copy waits for a hash and no checkpoint for another)."""
     plan, source = item.plan, item.source
     sizes = {shard.file: shard.size for shard in source.shards}
-    files: dict[str, PendingSha256 | str | None] = {}
+    files: dict[str, PendingSha256 | Future | str | None] = {}
     made: dict[str, str] = {}
     source_hashes: dict[str, PendingSha256 | str | None] = {}
-    with ExitStack() as stack:
-        opened: dict[Path, SourceFile] = {}
-        hashing: dict[Path, PendingSha256 | str | None] = {}
-        placing: list[tuple[ShardPlan, Future]] = []
-        for shard in plan.shards:
-            if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
-                placing.append((shard, copier.submit(
-                    _place_whole, shard, directory, link=link, expected_size=sizes[shard.same_as],
-                    hashed=hashed and shard.same_as not in ahead, on_bytes=on_bytes)))
-        for shard in plan.shards:
-            if shard.same_as is not None:
-                continue
-            for path in dict.fromkeys(t.source.ref.file for t in shard.tensors):
-                if path not in opened:  # each source's sha256 hashed ahead (or known) while its bytes are rewritten
-                    opened[path] = stack.enter_context(closing(SourceFile(path)))
-                    hashing[path] = (known_sha256(path) or ahead[path]) if hashed else None
-            render = None if all(tensor.is_copy for tensor in shard.tensors) else _render_transform
-            files[shard.file_name] = write_shard(directory / shard.file_name, shard, metadata=dict(plan.metadata),
-                                                 sources=opened, render=render, on_bytes=on_bytes, hashed=hashed,
-                                                 buffers=buffers)
-            made[shard.file_name] = MADE_WRITTEN
-        source_hashes.update({path.name: digest for path, digest in hashing.items()})
-        for shard, placed in placing:
-            made[shard.file_name], digest = placed.result()
-            if made[shard.file_name] == "copy" and shard.same_as in ahead:
-                digest = ahead[shard.same_as]  # waited for by write_manifest
-            files[shard.file_name] = source_hashes[shard.same_as.name] = digest
+    placing: list[tuple[ShardPlan, Future]] = []
+    for shard in plan.shards:
+        if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
+            placing.append((shard, writers.copies.submit(
+                _place_whole, shard, directory, link=link, expected_size=sizes[shard.same_as],
+                hashed=hashed and shard.same_as not in ahead, on_bytes=on_bytes)))
+            continue
+        for path in dict.fromkeys(t.source.ref.file for t in shard.tensors):
+            if path.name not in source_hashes:  # each source's sha256 hashed ahead (or known) while its bytes are rewritten
+                source_hashes[path.name] = (known_sha256(path) or ahead[path]) if hashed else None
+        files[shard.file_name] = writers.rewrites.submit(
+            _rewrite_shard, shard, directory / shard.file_name, metadata=plan.metadata, hashed=hashed,
+            on_bytes=on_bytes, buffers=writers.buffers)
+        made[shard.file_name] = MADE_WRITTEN
     if plan.indexed:
         files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
     files["config.json"], made["config.json"] = write_json(directory / "config.json", plan.config), MADE_WRITTEN
@@ -349,6 +331,11 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
         source_hashes[name] = files[name] = digest
 
     def write_manifest() -> tuple[dict[str, str | None], dict[str, str]]:
+        for shard, placed in placing:
+            made[shard.file_name], digest = placed.result()
+            if made[shard.file_name] == "copy" and shard.same_as in ahead:
+                digest = ahead[shard.same_as]
+            files[shard.file_name] = source_hashes[shard.same_as.name] = digest
         resolved = {name: _resolved(digest) for name, digest in files.items()}
         write_json(directory / MANIFEST_NAME, manifest_document(
             item, source_hashes={name: _resolved(digest) for name, digest in source_hashes.items()},
@@ -357,6 +344,45 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
         return resolved, made
 
     return write_manifest
+
+
+SHARDS_AT_ONCE = 2  # rewritten shards written at once (more cores: more at once, up to this; peak RSS grows with it)
+
+
+@dataclass(frozen=True)
+class _Writers:
+    """Where a conversion's shards are written from: unchanged files are copied on one thread (the disk's work: O_DIRECT
+    from the page cache, ~0.1 CPU s per GB), rewritten shards on as many threads as cores, up to SHARDS_AT_ONCE (the
+    cores' work: each output's sha256 is one stream, ~1.8 GB/s on one core), all sharing one set of render buffers.
+
+    On the 7.7 GB pair from a Hub cache (2 cores), pad-global took 6.4-7.2 s rewriting one shard at a time after
+    the copy, against the floor's 3.8 s (docs/BENCHMARKS.md).
+    """
+    copies: ThreadPoolExecutor
+    rewrites: ThreadPoolExecutor
+    buffers: RenderBuffers
+
+    @classmethod
+    def started(cls, stack: ExitStack) -> "_Writers":
+        """Writers whose threads are stopped when `stack` closes: what has not started is dropped, what runs ends."""
+        cores = max(1, len(os.sched_getaffinity(0)))
+        writers = cls(copies=ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy"),
+                      rewrites=ThreadPoolExecutor(max_workers=min(cores, SHARDS_AT_ONCE), thread_name_prefix="shard"),
+                      buffers=RenderBuffers())
+        for pool in (writers.copies, writers.rewrites):
+            stack.callback(pool.shutdown, wait=True, cancel_futures=True)
+        return writers
+
+
+def _rewrite_shard(shard: ShardPlan, path: Path, *, metadata: Mapping[str, str], hashed: bool,
+                   on_bytes: Callable[[int], None], buffers: RenderBuffers) -> str | None:
+    """write_shard of one rewritten shard, its source files opened for it alone."""
+    with ExitStack() as stack:
+        sources = {source: stack.enter_context(closing(SourceFile(source)))
+                   for source in dict.fromkeys(tensor.source.ref.file for tensor in shard.tensors)}
+        render = None if all(tensor.is_copy for tensor in shard.tensors) else _render_transform
+        return write_shard(path, shard, metadata=dict(metadata), sources=sources, render=render, on_bytes=on_bytes,
+                           hashed=hashed, buffers=buffers)
 
 
 def _render_transform(tensor: TensorPlan, raw: memoryview, out: memoryview) -> memoryview:
@@ -375,8 +401,8 @@ def _place_whole(shard: ShardPlan, directory: Path, *, link: str, expected_size:
     return placed
 
 
-def _resolved(digest: PendingSha256 | str | None) -> str | None:
-    return digest.result() if isinstance(digest, PendingSha256) else digest
+def _resolved(digest: PendingSha256 | Future | str | None) -> str | None:
+    return digest.result() if isinstance(digest, (PendingSha256, Future)) else digest
 
 
 def manifest_document(item: PlannedCheckpoint, *, source_hashes: Mapping[str, str | None],

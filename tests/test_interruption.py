@@ -57,7 +57,8 @@ elif point == "between-shards":
 
     def write_shard(*args, **kwargs):
         digest = original_shard(*args, **kwargs)
-        if not getattr(writer, "_stopped", False):
+        # the target's rewritten shard; the assistant's is written at the same time and may finish first
+        if args[0].parent.name == "target" and not getattr(writer, "_stopped", False):
             writer._stopped = True
             stop()
         return digest
@@ -128,8 +129,8 @@ def test_sigkill_leaves_no_half_written_model(point: str, pristine: Path, tmp_pa
     partial_shards = sorted(p.name for p in (staging_dir(pair.out) / "target").glob("*.safetensors"))
     if stopped_with == "staging":
         assert staging_dir(pair.out).is_dir() and not pair.out.exists()
-        # pad-global leaves SHARD2 unchanged, and unchanged files are copied first (pipeline._write_checkpoint)
-        assert partial_shards == [SHARD1, SHARD2]
+        # pad-global rewrites SHARD1 and copies the unchanged SHARD2 on a thread of its own, at the same time
+        assert SHARD1 in partial_shards and set(partial_shards) <= {SHARD1, SHARD2}
         partial_size = (staging_dir(pair.out) / "target" / SHARD1).stat().st_size
     elif stopped_with == "retired":
         assert not pair.out.exists() and (pair.out.parent / f".{pair.out.name}.gemma4-convert-old").is_dir()

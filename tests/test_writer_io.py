@@ -193,7 +193,7 @@ def test_read_errors_surface_and_no_thread_is_left(tmp_path, small_blocks):
     before = threading.active_count()
     with pytest.raises(InputError, match="ended .* bytes early"):
         writer.write_shard(tmp_path / "a.safetensors", _shard(path, [15_000, 9000]), metadata={},
-                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(raw),
+                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(bytes(raw)),
                            on_bytes=lambda n: None)
     assert threading.active_count() == before
 
@@ -207,7 +207,7 @@ def test_an_interrupted_shard_stops_every_thread(tmp_path, small_blocks):
 
     with pytest.raises(KeyboardInterrupt):
         writer.write_shard(tmp_path / "b.safetensors", _shard(path, [40_000]), metadata={},
-                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(raw),
+                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(bytes(raw)),
                            on_bytes=fail)
     assert threading.active_count() == before
 

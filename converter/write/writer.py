@@ -239,7 +239,8 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sourc
     The output is hashed on a thread as its blocks fill (the sources are hashed by the caller's hashing_ahead), and
     written by the _BlockWriter's threads: reading, rendering, hashing and writing overlap on every core. `render`
     reads a tensor's source bytes from its second argument and writes the result into its third where it can, both
-    taken from `buffers` (one RenderBuffers for every shard of a conversion, so later shards reuse them too).
+    taken from `buffers` (one RenderBuffers for every shard of a conversion, so later shards reuse them too); its
+    result must not be a view of the source bytes, whose buffer is reused as soon as it returns.
 
     Returns:
         sha256 of the written file (None when not `hashed`).
@@ -264,7 +265,7 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sourc
     return out.sha256.hexdigest() if out.sha256 is not None else None
 
 
-RENDER_AHEAD_BYTES = 64 * 1024 * 1024  # source bytes of TRANSFORM tensors rendered and not yet written (peak RSS)
+RENDER_AHEAD_BYTES = 64 * 1024 * 1024  # rendered bytes of a shard's TRANSFORM tensors not yet written (peak RSS)
 
 
 class RenderBuffers:
@@ -310,8 +311,9 @@ def _rendered_ahead(shard: ShardPlan, sources: dict[Path, SourceFile], render, b
 
 class _RenderAhead:
     """The rendered bytes of each TRANSFORM tensor of a shard, submitted in file order to a pool of as many threads
-    as the process may use cores (torch and preadv release the GIL), while the tensors rendered and not yet taken hold
-    at most RENDER_AHEAD_BYTES of source bytes (or are one tensor); `take` waits for one and submits more. So
+    as the process may use cores (torch and preadv release the GIL), while the tensors rendered and not yet written hold
+    at most RENDER_AHEAD_BYTES of rendered bytes (or are one tensor); `take` waits for one and, once it is written,
+    submits more. So
     decoding, transforming and encoding of later tensors overlap the writing of earlier ones. Each tensor's source
     bytes are read into, and its result rendered into, buffers from `buffers`, which get them back once written."""
 
@@ -324,33 +326,36 @@ class _RenderAhead:
         self._submit()
 
     def _held_bytes(self) -> int:
-        return sum(self._tensors[index].source.nbytes for index in self._futures)
+        return sum(self._tensors[index].nbytes for index in self._futures)
 
     def _submit(self) -> None:
         while self._todo and (not self._futures or self._held_bytes() < RENDER_AHEAD_BYTES):
             index = self._todo.popleft()
             self._futures[index] = self._pool.submit(self._render_one, self._tensors[index])
 
-    def _render_one(self, tensor: TensorPlan) -> tuple[memoryview, tuple[memoryview, memoryview]]:
+    def _render_one(self, tensor: TensorPlan) -> tuple[memoryview, tuple[memoryview, ...]]:
         # anonymous mappings, not bytearrays: bytearray(n) zero-fills n bytes holding the GIL (0.65 s of the
         # 3.5 s the GIL was held in a pad-global conversion of the 7.7 GB pair), a mapping faults its pages in
         # during the read, which releases it
         raw, into = self._buffers.get(tensor.source.nbytes), self._buffers.get(tensor.nbytes)
-        self._sources[tensor.source.ref.file].read_at(tensor.source.offset, raw)
-        return self._render(tensor, raw, into), (raw, into)
+        try:
+            self._sources[tensor.source.ref.file].read_at(tensor.source.offset, raw)
+            return self._render(tensor, raw, into), (into,)
+        finally:
+            self._buffers.put(raw)  # reusable at once: a render's result is never a view of its source bytes
 
     @contextmanager
     def take(self, index: int) -> Iterator[memoryview]:
         """The rendered bytes of shard.tensors[index] (waits for them), valid inside the `with`: its buffers go back
         for reuse after it. Raises what rendering raised."""
-        future = self._futures.pop(index)
-        self._submit()
-        data, held = future.result()
+        data, held = self._futures[index].result()
         try:
             yield data
         finally:
+            del self._futures[index]
             for buffer in held:
                 self._buffers.put(buffer)
+            self._submit()
 
     def cancel(self) -> None:
         for future in self._futures.values():
