@@ -42,6 +42,49 @@ class TensorPlan:
         return self.transform is None
 
 
+def _row_units(tensor: TensorPlan) -> tuple[int, int, str | None] | None:
+    """(source rows, output rows, the param that counts the units) of one unit of a transform whose output rows
+    come from whole units of its source rows alone (a head's rows, or each row); None for the others."""
+    params = tensor.params
+    if tensor.transform == "pad_head_rows":
+        return params["head_dim"], params["target_head_dim"], "num_heads"
+    if tensor.transform == "replicate_kv_heads":
+        return params["head_dim"], params["head_dim"] * params["repeats"], "num_heads"
+    if tensor.transform == "repeat_rows":
+        return 1, params["repeats"], None
+    if tensor.transform in ("pad_head_columns", "repeat_columns", "pad_packed_columns"):
+        return 1, 1, None
+    return None
+
+
+def row_pieces(tensor: TensorPlan, max_bytes: int) -> tuple[TensorPlan, ...]:
+    """A TRANSFORM tensor as consecutive pieces of whole row units, each at most max_bytes of output (or one unit).
+
+    The transform of source rows [a, b) of a unit-wise transform is output rows [a*k, b*k), so the pieces' bytes,
+    in order, are the tensor's: the writer renders a 168 MB q_proj in 5.5 MB pieces, in buffers that stay in the
+    cores' caches and are reused, not in fresh pages the kernel must fault in and zero (docs/BENCHMARKS.md). A tensor
+    of at most max_bytes, or one whose transform mixes rows, is one piece.
+    """
+    units = _row_units(tensor)
+    if tensor.nbytes <= max_bytes or units is None or len(tensor.source.shape) < 2:
+        return (tensor,)
+    rows_in, rows_out, count_param = units
+    total_rows = tensor.source.shape[0]
+    count = total_rows // rows_in
+    if total_rows % rows_in or tensor.shape[0] != count * rows_out:
+        return (tensor,)
+    per_piece = max(1, max_bytes // (tensor.nbytes // count))
+    pieces = []
+    for first in range(0, count, per_piece):
+        units_here = min(per_piece, count - first)
+        start = tensor.source.row_start + first * rows_in
+        params = dict(tensor.params) | ({count_param: units_here} if count_param else {})
+        pieces.append(replace(tensor, source=replace(tensor.source, row_start=start,
+                                                     row_stop=start + units_here * rows_in),
+                              shape=(units_here * rows_out, *tensor.shape[1:]), params=params))
+    return tuple(pieces)
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     file_name: str

@@ -135,3 +135,51 @@ def test_a_reused_output_buffer_gets_the_same_bytes_as_a_new_tensor(name, shape,
     into = encode(apply_transform(name, source, params, out=stale))
     assert bytes(into) == bytes(fresh)
     assert bytes(stale.numpy()) == bytes(fresh)  # written in place, not beside it
+
+
+_PIECE_CASES = [  # (transform, source shape, output shape, params)
+    ("pad_head_rows", (4 * 8, 6), (4 * 16, 6), {"num_heads": 4, "head_dim": 8, "target_head_dim": 16}),
+    ("replicate_kv_heads", (3 * 8, 6), (3 * 2 * 8, 6), {"num_heads": 3, "head_dim": 8, "repeats": 2}),
+    ("pad_head_columns", (10, 16), (10, 32), {"num_heads": 2, "head_dim": 8, "target_head_dim": 16}),
+    ("repeat_rows", (10, 4), (20, 4), {"repeats": 2}),
+    ("repeat_columns", (10, 4), (10, 8), {"repeats": 2}),
+]
+
+
+@pytest.mark.parametrize("name,source_shape,shape,params", _PIECE_CASES)
+@pytest.mark.parametrize("row_start", [0, 8])
+def test_a_tensor_rendered_in_row_pieces_is_byte_identical_to_one_render(name, source_shape, shape, params,
+                                                                          row_start, tmp_path):
+    """The writer renders large TRANSFORM tensors in pieces of whole row units (plan.row_pieces); the pieces' bytes,
+    in order, must be the whole render's, for a tensor stored at a row offset too (a fused qkv's slice)."""
+    from pathlib import Path
+
+    from converter.plan import TensorPlan, row_pieces
+    from converter.read.safetensors_header import TensorRef
+    from converter.read.slices import SourceSlice
+    from converter.transforms import render_transform
+    stored = torch.randn(row_start + source_shape[0], source_shape[1]).to(torch.bfloat16)
+    raw = encode(stored)
+    ref = TensorRef("w", "BF16", tuple(stored.shape), Path("x"), 0, len(raw))
+    tensor = TensorPlan("w", "BF16", shape, SourceSlice(ref, row_start, row_start + source_shape[0]), "padded",
+                        transform=name, params=params)
+    pieces = row_pieces(tensor, max_bytes=tensor.nbytes // 3)
+    assert len(pieces) >= 3 and sum(piece.nbytes for piece in pieces) == tensor.nbytes
+
+    def render(plan: TensorPlan) -> bytes:
+        source = bytearray(raw[plan.source.offset:plan.source.offset + plan.source.nbytes])
+        return bytes(render_transform(plan, source))
+
+    assert b"".join(render(piece) for piece in pieces) == render(tensor)
+
+
+def test_a_transform_that_mixes_rows_is_one_piece():
+    from pathlib import Path
+
+    from converter.plan import TensorPlan, row_pieces
+    from converter.read.safetensors_header import TensorRef
+    from converter.read.slices import SourceSlice
+    ref = TensorRef("n", "BF16", (4096,), Path("x"), 0, 8192)
+    norm = TensorPlan("n", "BF16", (8192,), SourceSlice.whole(ref), "padded", transform="pad_head_norm",
+                      params={"head_dim": 4096, "target_head_dim": 8192})
+    assert row_pieces(norm, max_bytes=1024) == (norm,)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..errors import InputError, OutputError
-from ..plan import ShardPlan, TensorPlan
+from ..plan import ShardPlan, TensorPlan, row_pieces
 from ..read.safetensors_header import encode_header
 from ..read.sequential import (BLOCK_BYTES, HASH_READ_BYTES, BackgroundSha256, SourceFile, known_sha256,
                                page_aligned_buffer)
@@ -255,22 +255,24 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sourc
                     out.fill_from(sources[tensor.source.ref.file], tensor.source.offset, tensor.source.nbytes,
                                   on_bytes)
                     continue
-                with rendered.take(index) as data:
-                    if len(data) != tensor.nbytes:
-                        raise RuntimeError(f"{tensor.name}: transform produced {len(data)} bytes, "
-                                           f"planned {tensor.nbytes}")
+                produced = 0
+                for data in rendered.pieces(index):
                     out.write(data)
+                    produced += len(data)
+                if produced != tensor.nbytes:
+                    raise RuntimeError(f"{tensor.name}: transform produced {produced} bytes, planned {tensor.nbytes}")
                 on_bytes(tensor.source.nbytes)
             out.finish()
     return out.sha256.hexdigest() if out.sha256 is not None else None
 
 
 RENDER_AHEAD_BYTES = 64 * 1024 * 1024  # rendered bytes of a shard's TRANSFORM tensors not yet written (peak RSS)
+RENDER_PIECE_BYTES = 8 * 1024 * 1024  # what a large TRANSFORM tensor is rendered in (plan.row_pieces)
 
 
 class RenderBuffers:
     """Page-aligned buffers for rendering, handed out by size and taken back after the bytes are written, so the
-    tensors of one shape (every layer's q_proj, say) reuse the same pages.
+    pieces of one size (every layer's q_proj pieces, say) reuse the same pages.
 
     A new buffer's pages are faulted in and zeroed by the kernel before the first byte is written to them: in a
     pad-global conversion of the 7.7 GB pair that zeroing (for the source bytes read in and the results written out)
@@ -310,52 +312,53 @@ def _rendered_ahead(shard: ShardPlan, sources: dict[Path, SourceFile], render, b
 
 
 class _RenderAhead:
-    """The rendered bytes of each TRANSFORM tensor of a shard, submitted in file order to a pool of as many threads
-    as the process may use cores (torch and preadv release the GIL), while the tensors rendered and not yet written hold
-    at most RENDER_AHEAD_BYTES of rendered bytes (or are one tensor); `take` waits for one and, once it is written,
-    submits more. So
-    decoding, transforming and encoding of later tensors overlap the writing of earlier ones. Each tensor's source
-    bytes are read into, and its result rendered into, buffers from `buffers`, which get them back once written."""
+    """The rendered bytes of each TRANSFORM tensor of a shard, in pieces of at most RENDER_PIECE_BYTES of whole row
+    units (plan.row_pieces), submitted in file order to a pool of as many threads as the process may use cores (torch
+    and preadv release the GIL), while the pieces rendered and not yet written hold at most RENDER_AHEAD_BYTES (or are
+    one piece); `pieces` yields a tensor's pieces in order and submits more as each is written. So decoding,
+    transforming and encoding of later pieces overlap the writing of earlier ones. Each piece's source bytes are read
+    into, and its result rendered into, buffers from `buffers`, which get them back at once (source) or once written.
+    """
 
     def __init__(self, shard: ShardPlan, sources: dict[Path, SourceFile], render, buffers: RenderBuffers,
                  pool: ThreadPoolExecutor):
-        self._tensors = shard.tensors
-        self._todo = deque(i for i, t in enumerate(shard.tensors) if not t.is_copy)
+        self._pieces = {index: row_pieces(tensor, RENDER_PIECE_BYTES)
+                        for index, tensor in enumerate(shard.tensors) if not tensor.is_copy}
+        self._todo = deque((index, piece) for index, pieces in self._pieces.items() for piece in range(len(pieces)))
         self._sources, self._render, self._buffers, self._pool = sources, render, buffers, pool
-        self._futures: dict[int, Future] = {}  # index -> submitted and not yet taken
+        self._futures: dict[tuple[int, int], Future] = {}  # (tensor index, piece) -> submitted and not yet written
         self._submit()
 
     def _held_bytes(self) -> int:
-        return sum(self._tensors[index].nbytes for index in self._futures)
+        return sum(self._pieces[index][piece].nbytes for index, piece in self._futures)
 
     def _submit(self) -> None:
         while self._todo and (not self._futures or self._held_bytes() < RENDER_AHEAD_BYTES):
-            index = self._todo.popleft()
-            self._futures[index] = self._pool.submit(self._render_one, self._tensors[index])
+            index, piece = key = self._todo.popleft()
+            self._futures[key] = self._pool.submit(self._render_one, self._pieces[index][piece])
 
-    def _render_one(self, tensor: TensorPlan) -> tuple[memoryview, tuple[memoryview, ...]]:
+    def _render_one(self, tensor: TensorPlan) -> tuple[memoryview, memoryview]:
         # anonymous mappings, not bytearrays: bytearray(n) zero-fills n bytes holding the GIL (0.65 s of the
         # 3.5 s the GIL was held in a pad-global conversion of the 7.7 GB pair), a mapping faults its pages in
         # during the read, which releases it
         raw, into = self._buffers.get(tensor.source.nbytes), self._buffers.get(tensor.nbytes)
         try:
             self._sources[tensor.source.ref.file].read_at(tensor.source.offset, raw)
-            return self._render(tensor, raw, into), (into,)
+            return self._render(tensor, raw, into), into
         finally:
             self._buffers.put(raw)  # reusable at once: a render's result is never a view of its source bytes
 
-    @contextmanager
-    def take(self, index: int) -> Iterator[memoryview]:
-        """The rendered bytes of shard.tensors[index] (waits for them), valid inside the `with`: its buffers go back
-        for reuse after it. Raises what rendering raised."""
-        data, held = self._futures[index].result()
-        try:
-            yield data
-        finally:
-            del self._futures[index]
-            for buffer in held:
-                self._buffers.put(buffer)
-            self._submit()
+    def pieces(self, index: int) -> Iterator[memoryview]:
+        """The rendered bytes of shard.tensors[index], piece by piece (each waited for; valid until the next is
+        asked for, when its buffer goes back for reuse). Raises what rendering raised."""
+        for piece in range(len(self._pieces[index])):
+            data, into = self._futures[index, piece].result()
+            try:
+                yield data
+            finally:
+                del self._futures[index, piece]
+                self._buffers.put(into)
+                self._submit()
 
     def cancel(self) -> None:
         for future in self._futures.values():
