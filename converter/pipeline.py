@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import importlib
 import os
 import shutil
@@ -22,9 +21,8 @@ from .layouts import get_layout
 from .layouts.base import layout_from_manifest
 from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
-from .plan import CheckpointPlan, ShardPlan, TensorPlan, index_document, tiled_source
+from .plan import CheckpointPlan, ShardPlan, TensorPlan, index_document
 from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
-from .read.safetensors_header import ShardHeader
 from .read.sequential import PendingSha256, SourceFile, hashing_ahead, known_sha256
 from .write.lock import output_lock
 from .write.writer import (LINK_MODES, RenderBuffers, make_directory, place_file, reflink_possible,
@@ -285,15 +283,13 @@ def _copies(link: str, source: Path, directory: Path) -> bool:
 def _files_to_hash(plan: ConversionPlan, staging: Path) -> dict[Path, int]:
     """path -> size of every source file the conversion reads whole and whose sha256 is not known already (a Hugging
     Face cache names it): unchanged files it copies (a copy's sha256 is its source's) and the sources of rewritten
-    shards that do not read their source whole and in order. Linked files are never read."""
+    shards. Linked files are never read."""
     files: dict[Path, int] = {}
     for item in plan.items:
         sizes = {shard.file: shard.size for shard in item.source.shards}
         for shard in item.plan.shards:
             if shard.same_as is not None:
                 read = [shard.same_as] if _copies(plan.request.link, shard.same_as, staging) else []
-            elif tiled_source(shard, item.source.shards) is not None:
-                read = []  # hashed by the shard's writer from the bytes it reads (_rewrite_shard)
             else:
                 read = [tensor.source.ref.file for tensor in shard.tensors]
             files.update({path: sizes[path] for path in read if not known_sha256(path)})
@@ -314,24 +310,18 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
     made: dict[str, str] = {}
     source_hashes: dict[str, PendingSha256 | str | None] = {}
     placing: list[tuple[ShardPlan, Future]] = []
-    rewriting: list[tuple[ShardPlan, Future, str | None]] = []  # (shard, its writing, the source it hashes)
     for shard in plan.shards:
         if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
             placing.append((shard, writers.copies.submit(
                 _place_whole, shard, directory, link=link, expected_size=sizes[shard.same_as],
                 hashed=hashed and shard.same_as not in ahead, on_bytes=on_bytes)))
             continue
-        tiled = tiled_source(shard, source.shards)
-        hash_tiled = hashed and tiled is not None and not known_sha256(tiled.file)
         for path in dict.fromkeys(t.source.ref.file for t in shard.tensors):
-            if path.name in source_hashes or hash_tiled:  # a tiled source is hashed by its writer (write_manifest)
-                continue
-            # each other source's sha256 is known, or hashed ahead while its bytes are rewritten
-            source_hashes[path.name] = (known_sha256(path) or ahead[path]) if hashed else None
-        rewriting.append((shard, writers.rewrites.submit(
+            if path.name not in source_hashes:  # each source's sha256 hashed ahead (or known) while its bytes are rewritten
+                source_hashes[path.name] = (known_sha256(path) or ahead[path]) if hashed else None
+        files[shard.file_name] = writers.rewrites.submit(
             _rewrite_shard, shard, directory / shard.file_name, metadata=plan.metadata, hashed=hashed,
-            on_bytes=on_bytes, buffers=writers.buffers, hash_source=tiled if hash_tiled else None),
-            tiled.file.name if hash_tiled else None))
+            on_bytes=on_bytes, buffers=writers.buffers)
         made[shard.file_name] = MADE_WRITTEN
     if plan.indexed:
         files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
@@ -341,10 +331,6 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
         source_hashes[name] = files[name] = digest
 
     def write_manifest() -> tuple[dict[str, str | None], dict[str, str]]:
-        for shard, writing, hashed_source in rewriting:
-            files[shard.file_name], source_digest = writing.result()
-            if hashed_source is not None:
-                source_hashes[hashed_source] = source_digest
         for shard, placed in placing:
             made[shard.file_name], digest = placed.result()
             if made[shard.file_name] == "copy" and shard.same_as in ahead:
@@ -389,31 +375,14 @@ class _Writers:
 
 
 def _rewrite_shard(shard: ShardPlan, path: Path, *, metadata: Mapping[str, str], hashed: bool,
-                   on_bytes: Callable[[int], None], buffers: RenderBuffers, hash_source: ShardHeader | None = None
-                   ) -> tuple[str | None, str | None]:
-    """write_shard of one rewritten shard, its source files opened for it alone; returns (the output's sha256, the
-    sha256 of `hash_source`, a source file the shard reads whole and in order (plan.tiled_source), hashed from the
-    bytes read for the output, its header first: a second read of it by a hashing child cost more CPU than the
-    hash itself on the bench machine, docs/BENCHMARKS.md).
-
-    Raises:
-        InputError: `hash_source` is no longer the size its header was read at (changed while converting).
-    """
+                   on_bytes: Callable[[int], None], buffers: RenderBuffers) -> str | None:
+    """write_shard of one rewritten shard, its source files opened for it alone."""
     with ExitStack() as stack:
         sources = {source: stack.enter_context(closing(SourceFile(source)))
                    for source in dict.fromkeys(tensor.source.ref.file for tensor in shard.tensors)}
         render = None if all(tensor.is_copy for tensor in shard.tensors) else _render_transform
-        source_sha256 = None
-        if hash_source is not None:
-            header = memoryview(bytearray(hash_source.data_start))
-            sources[hash_source.file].read_at(0, header)
-            source_sha256 = hashlib.sha256(header)
-        digest = write_shard(path, shard, metadata=dict(metadata), sources=sources, render=render, on_bytes=on_bytes,
-                             hashed=hashed, buffers=buffers, source_sha256=source_sha256)
-        if hash_source is not None and os.fstat(sources[hash_source.file].fileno).st_size != hash_source.size:
-            raise InputError(f"{hash_source.file}: is {os.fstat(sources[hash_source.file].fileno).st_size} bytes, "
-                             f"{hash_source.size} when its header was read (file changed while converting?)")
-    return digest, source_sha256.hexdigest() if source_sha256 is not None else None
+        return write_shard(path, shard, metadata=dict(metadata), sources=sources, render=render, on_bytes=on_bytes,
+                           hashed=hashed, buffers=buffers)
 
 
 def _render_transform(tensor: TensorPlan, raw: memoryview, out: memoryview) -> memoryview:

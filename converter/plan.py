@@ -168,22 +168,6 @@ def mark_unchanged(shards: Iterable[ShardPlan], source_shards: Iterable[ShardHea
     return tuple(marked)
 
 
-def tiled_source(shard: ShardPlan, source_shards: Iterable[ShardHeader]) -> ShardHeader | None:
-    """The source file a rewritten shard reads every data byte of, once and in file order (its tensors' source ranges,
-    in the shard's order, run back to back from the file's first data byte to its last), so the writer can hash that
-    file from the bytes it reads anyway; None for any other shard."""
-    files = {tensor.source.ref.file for tensor in shard.tensors}
-    if shard.same_as is not None or len(files) != 1:
-        return None
-    header = next((source for source in source_shards if source.file in files), None)
-    position = header.data_start if header is not None else -1
-    for tensor in shard.tensors:
-        if tensor.source.offset != position:
-            return None
-        position += tensor.source.nbytes
-    return header if header is not None and position == header.size else None
-
-
 def index_document(plan: CheckpointPlan) -> dict[str, Any]:
     """model.safetensors.index.json contents for a sharded plan."""
     weight_map = {t.name: shard.file_name for shard in plan.shards for t in shard.tensors}
@@ -203,4 +187,4 @@ def parse_size(text: str) -> int:
 
 
 __all__ = ["ACTION_KEPT", "ACTION_SPLIT", "CheckpointPlan", "INDEX_NAME", "ShardPlan", "SourceSlice", "TensorPlan",
-           "index_document", "mark_unchanged", "parse_size", "plan_shards", "row_pieces", "tiled_source"]
+           "index_document", "mark_unchanged", "parse_size", "plan_shards"]

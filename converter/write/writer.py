@@ -162,15 +162,12 @@ class _HashingWriter:
             view = view[count:]
 
     def fill_from(self, source: SourceFile, offset: int, nbytes: int,
-                  on_bytes: Callable[[int], None] = lambda n: None, source_sha256=None) -> None:
-        """Reads nbytes of `source` at offset straight into the staging blocks (one copy, page cache -> block); each
-        chunk also updates `source_sha256` where given (the caller's hash of the source, fed in file order)."""
+                  on_bytes: Callable[[int], None] = lambda n: None) -> None:
+        """Reads nbytes of `source` at offset straight into the staging blocks (one copy, page cache -> block)."""
         while nbytes:
             room = self._room()
             count = min(nbytes, len(room))
             source.read_at(offset, room[:count])
-            if source_sha256 is not None:
-                source_sha256.update(room[:count])
             self._staged_more(count)
             offset, nbytes = offset + count, nbytes - count
             on_bytes(count)
@@ -234,8 +231,8 @@ def _open_for_writing(path: Path, *, direct: bool = True) -> tuple[io.FileIO, bo
 
 def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sources: dict[Path, SourceFile],
                 render: Callable[[TensorPlan, memoryview, memoryview], memoryview] | None,
-                on_bytes: Callable[[int], None], hashed: bool = True, buffers: "RenderBuffers | None" = None,
-                source_sha256=None) -> str | None:
+                on_bytes: Callable[[int], None], hashed: bool = True, buffers: "RenderBuffers | None" = None
+                ) -> str | None:
     """Writes one output shard; untouched tensors are read straight into the output's staging blocks, the rest go
     through `render` (None when the shard has no TRANSFORM tensor) on a pool of threads, ahead of the writing.
 
@@ -245,21 +242,18 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sourc
     taken from `buffers` (one RenderBuffers for every shard of a conversion, so later shards reuse them too); its
     result must not be a view of the source bytes, whose buffer is reused as soon as it returns.
 
-    `source_sha256`, where given, is updated with every source byte read, in the order read: the caller's hash of a
-    source file whose data this shard reads whole and in order (plan.tiled_source), so no one reads it again to hash it.
-
     Returns:
         sha256 of the written file (None when not `hashed`).
     """
     with _output_errors(path):
         with _HashingWriter(path, hashed=hashed) as out, ExitStack() as stack:
             out.write(shard_header(shard, metadata))
-            rendered = _rendered_ahead(shard, sources, render, buffers or RenderBuffers(), stack,
-                                       source_sha256=source_sha256) if render is not None else None
+            rendered = _rendered_ahead(shard, sources, render, buffers or RenderBuffers(), stack) \
+                if render is not None else None
             for index, tensor in enumerate(shard.tensors):
                 if tensor.is_copy:
                     out.fill_from(sources[tensor.source.ref.file], tensor.source.offset, tensor.source.nbytes,
-                                  on_bytes, source_sha256)
+                                  on_bytes)
                     continue
                 produced = 0
                 for data in rendered.pieces(index):
@@ -307,12 +301,12 @@ class RenderBuffers:
 
 
 def _rendered_ahead(shard: ShardPlan, sources: dict[Path, SourceFile], render, buffers: RenderBuffers,
-                    stack: ExitStack, *, source_sha256=None) -> "_RenderAhead":
+                    stack: ExitStack) -> "_RenderAhead":
     """A _RenderAhead over shard's TRANSFORM tensors; its pool is shut down when `stack` closes, after what has not
     started is cancelled (an error leaves nothing rendering)."""
     pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))),
                                                   thread_name_prefix="render"))
-    ahead = _RenderAhead(shard, sources, render, buffers, pool, source_sha256=source_sha256)
+    ahead = _RenderAhead(shard, sources, render, buffers, pool)
     stack.callback(ahead.cancel)
     return ahead
 
@@ -323,13 +317,11 @@ class _RenderAhead:
     and preadv release the GIL), while the pieces rendered and not yet written hold at most RENDER_AHEAD_BYTES (or are
     one piece); `pieces` yields a tensor's pieces in order and submits more as each is written. So decoding,
     transforming and encoding of later pieces overlap the writing of earlier ones. Each piece's source bytes are read
-    into, and its result rendered into, buffers from `buffers`, which get them back at once (source) or once written;
-    with `source_sha256`, the source bytes are kept until their piece is taken and hashed then, in file order.
+    into, and its result rendered into, buffers from `buffers`, which get them back at once (source) or once written.
     """
 
     def __init__(self, shard: ShardPlan, sources: dict[Path, SourceFile], render, buffers: RenderBuffers,
-                 pool: ThreadPoolExecutor, *, source_sha256=None):
-        self._source_sha256 = source_sha256
+                 pool: ThreadPoolExecutor):
         self._pieces = {index: row_pieces(tensor, RENDER_PIECE_BYTES)
                         for index, tensor in enumerate(shard.tensors) if not tensor.is_copy}
         self._todo = deque((index, piece) for index, pieces in self._pieces.items() for piece in range(len(pieces)))
@@ -345,35 +337,27 @@ class _RenderAhead:
             index, piece = key = self._todo.popleft()
             self._futures[key] = self._pool.submit(self._render_one, self._pieces[index][piece])
 
-    def _render_one(self, tensor: TensorPlan) -> tuple[memoryview, memoryview, memoryview | None]:
-        """(rendered bytes, the buffer they are in, the source bytes where they are still to be hashed)."""
+    def _render_one(self, tensor: TensorPlan) -> tuple[memoryview, memoryview]:
         # anonymous mappings, not bytearrays: bytearray(n) zero-fills n bytes holding the GIL (0.65 s of the
         # 3.5 s the GIL was held in a pad-global conversion of the 7.7 GB pair), a mapping faults its pages in
         # during the read, which releases it
         raw, into = self._buffers.get(tensor.source.nbytes), self._buffers.get(tensor.nbytes)
-        kept = False
         try:
             self._sources[tensor.source.ref.file].read_at(tensor.source.offset, raw)
-            data = self._render(tensor, raw, into)
-            kept = self._source_sha256 is not None
-            return data, into, raw if kept else None
+            return self._render(tensor, raw, into), into
         finally:
-            if not kept:
-                self._buffers.put(raw)  # reusable at once: a render's result is never a view of its source bytes
+            self._buffers.put(raw)  # reusable at once: a render's result is never a view of its source bytes
 
     def pieces(self, index: int) -> Iterator[memoryview]:
         """The rendered bytes of shard.tensors[index], piece by piece (each waited for; valid until the next is
         asked for, when its buffer goes back for reuse). Raises what rendering raised."""
         for piece in range(len(self._pieces[index])):
-            data, into, raw = self._futures[index, piece].result()
+            data, into = self._futures[index, piece].result()
             try:
-                if raw is not None:
-                    self._source_sha256.update(raw)
                 yield data
             finally:
                 del self._futures[index, piece]
-                for buffer in (into, raw) if raw is not None else (into,):
-                    self._buffers.put(buffer)
+                self._buffers.put(into)
                 self._submit()
 
     def cancel(self) -> None:
