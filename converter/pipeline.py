@@ -234,6 +234,7 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
             # every source file this conversion reads whole, hashed from the start on the cores the writes leave
             ahead = hashing_ahead(_files_to_hash(plan, staging), stack) if plan.request.hashed else {}
             finishing, writers = [], _Writers.started(stack)
+            on_bytes = _one_at_a_time(on_bytes)  # the writers' threads report progress
             for item in plan.items:
                 directory = staging / item.subdir if item.subdir else staging
                 make_directory(directory)
@@ -241,7 +242,7 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
                     item, directory, link=plan.request.link, hashed=plan.request.hashed, paired=paired,
                     warnings=plan.warnings, on_bytes=on_bytes, tp=plan.request.tp, ahead=ahead, writers=writers,
                     origin=plan.request.origins.get(item.subdir or "single"))))
-            for subdir, write_manifest in finishing:  # every byte is written: now wait for the hashes
+            for subdir, write_manifest in finishing:  # every file is started: now wait for the writes and hashes
                 outputs[subdir], how = write_manifest()
                 made.update({f"{subdir}/{name}".lstrip("/"): h for name, h in how.items()})
     return ConvertResult(plan=plan, output_files=outputs, made=made)
@@ -317,7 +318,7 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
                 hashed=hashed and shard.same_as not in ahead, on_bytes=on_bytes)))
             continue
         for path in dict.fromkeys(t.source.ref.file for t in shard.tensors):
-            if path.name not in source_hashes:  # each source's sha256 hashed ahead (or known) while its bytes are rewritten
+            if path.name not in source_hashes:  # hashed ahead (or known) while its bytes are rewritten
                 source_hashes[path.name] = (known_sha256(path) or ahead[path]) if hashed else None
         files[shard.file_name] = writers.rewrites.submit(
             _rewrite_shard, shard, directory / shard.file_name, metadata=plan.metadata, hashed=hashed,
@@ -399,6 +400,16 @@ def _place_whole(shard: ShardPlan, directory: Path, *, link: str, expected_size:
                         hashed=hashed)
     on_bytes(sum(t.source.nbytes for t in shard.tensors))
     return placed
+
+
+def _one_at_a_time(report: Callable[[int], None]) -> Callable[[int], None]:
+    """report, called by one thread at a time (a tqdm bar's update is not thread-safe)."""
+    lock = threading.Lock()
+
+    def locked(count: int) -> None:
+        with lock:
+            report(count)
+    return locked
 
 
 def _resolved(digest: PendingSha256 | Future | str | None) -> str | None:
