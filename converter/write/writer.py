@@ -236,8 +236,9 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sourc
     """Writes one output shard; untouched tensors are read straight into the output's staging blocks, the rest go
     through `render` (None when the shard has no TRANSFORM tensor) on a pool of threads, ahead of the writing.
 
-    The output is hashed on a thread as its blocks fill (the sources are hashed by the caller's hashing_ahead), and
-    written by the _BlockWriter's threads: reading, rendering, hashing and writing overlap on every core. `render`
+    The output is hashed by this thread chunk by chunk as its blocks fill (the sources are hashed by the caller's
+    hashing_ahead), and written by the _BlockWriter's threads: reading, rendering, hashing and writing overlap on
+    every core. `render`
     reads a tensor's source bytes from its second argument and writes the result into its third where it can, both
     taken from `buffers` (one RenderBuffers for every shard of a conversion, so later shards reuse them too); its
     result must not be a view of the source bytes, whose buffer is reused as soon as it returns.
@@ -268,6 +269,7 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sourc
 
 RENDER_AHEAD_BYTES = 64 * 1024 * 1024  # rendered bytes of a shard's TRANSFORM tensors not yet written (peak RSS)
 RENDER_PIECE_BYTES = 8 * 1024 * 1024  # what a large TRANSFORM tensor is rendered in (plan.row_pieces)
+IDLE_RENDER_BYTES = 2 * RENDER_AHEAD_BYTES  # written-out render buffers kept for reuse (RenderBuffers)
 
 
 class RenderBuffers:
@@ -276,11 +278,10 @@ class RenderBuffers:
 
     A new buffer's pages are faulted in and zeroed by the kernel before the first byte is written to them: in a
     pad-global conversion of the 7.7 GB pair that zeroing (for the source bytes read in and the results written out)
-    cost as much CPU as the reads themselves (docs/BENCHMARKS.md). At most `keep_bytes` of idle buffers are kept.
+    cost as much CPU as the reads themselves (docs/BENCHMARKS.md). At most IDLE_RENDER_BYTES of idle buffers are kept.
     """
 
-    def __init__(self, keep_bytes: int | None = None):
-        self._keep = 2 * RENDER_AHEAD_BYTES if keep_bytes is None else keep_bytes
+    def __init__(self):
         self._idle: dict[int, list[memoryview]] = {}
         self._idle_bytes = 0
         self._lock = threading.Lock()
@@ -295,7 +296,7 @@ class RenderBuffers:
 
     def put(self, buffer: memoryview) -> None:
         with self._lock:
-            if buffer.nbytes and self._idle_bytes + buffer.nbytes <= self._keep:
+            if buffer.nbytes and self._idle_bytes + buffer.nbytes <= IDLE_RENDER_BYTES:
                 self._idle.setdefault(buffer.nbytes, []).append(buffer)
                 self._idle_bytes += buffer.nbytes
 
