@@ -11,6 +11,7 @@ like the original pair (i, i + d/2), with the same frequency, so no rope config 
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -239,8 +240,18 @@ def decode(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tu
 
 
 def encode(tensor: torch.Tensor) -> memoryview:
-    """Tensor -> its raw little-endian bytes, as safetensors stores them."""
-    return memoryview(_as_int(tensor).reshape(-1).view(torch.uint8).numpy())
+    """Tensor -> its raw little-endian bytes, as safetensors stores them (a view, no copy).
+
+    Through ctypes rather than `Tensor.numpy()`: numpy is no requirement of the tool and torch's CPU wheel does not
+    bring it, so every verb has to run without it (tests/test_install.py). The array keeps the tensor alive for as
+    long as a view of its bytes exists.
+    """
+    flat = _as_int(tensor).reshape(-1).view(torch.uint8).cpu()
+    if not flat.numel():
+        return memoryview(b"")
+    array = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
+    array.tensor = flat
+    return memoryview(array).cast("B")
 
 
 def transform_bytes(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...], name: str,

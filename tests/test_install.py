@@ -5,8 +5,9 @@ working tree. Into each stock vLLM env (scripts/consumers/vllm/envs.sh) it is in
 --report`: any installed package the report would upgrade or downgrade fails the test (new packages are allowed).
 CI runs the four 0.27.0 envs it builds; `make compat` runs every env of the matrix and records ledger rows of check
 `install` (their digest: the wheel's runtime requirements, so a changed requirement makes them stale). A fresh venv
-gets torch 2.13.0 (the local CPU wheel) and the wheel, not the editable checkout: inspect, compat and convert of a
-synthetic pair run from there, with no transformers installed.
+gets torch 2.13.0 (the local CPU wheel) and the wheel, not the editable checkout: every verb runs from there on a
+synthetic pair, both layouts, with exactly the declared requirements (no transformers, no numpy). The wheel holds
+`converter/` (without its test factory, converter/testing/) and its dist-info, nothing else.
 """
 
 from __future__ import annotations
@@ -152,29 +153,56 @@ def run_tool(venv: Path, *args: str | Path, cwd: Path, env: dict[str, str] | Non
                           timeout=600, cwd=cwd, env=env)
 
 
-def test_the_wheel_runs_from_a_fresh_venv(fresh_venv, tmp_path):
-    """inspect, compat, convert and check-pair from the installed wheel (not this checkout), no transformers."""
+def test_the_wheel_carries_the_product_and_nothing_else(wheel):
+    """Top level: `converter` and its dist-info only; inside: no test factory, tests or harness scripts."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    top = {name.split("/")[0] for name in names}
+    assert top == {"converter", next(t for t in top if t.startswith("gemma4_convert-") and t.endswith(".dist-info"))}
+    harness = [n for n in names if n.startswith("converter/testing/") or "/tests/" in n or "/scripts/" in n
+               or Path(n).name.startswith("test_") or Path(n).name in ("conftest.py", "synthetic.py", "cases.py")]
+    assert not harness, f"test or harness code in the wheel: {harness}"
+    assert "converter/cli/__init__.py" in names and "converter/layouts/pad_global.py" in names
+
+
+def test_the_wheel_runs_every_verb_from_a_fresh_venv(fresh_venv, tmp_path):
+    """Every verb, both layouts, from the installed wheel (not this checkout) with only its declared requirements:
+    no transformers, no numpy (torch's CPU wheel does not bring it), not even the test factory."""
     from converter.testing.synthetic import tiny_preset, write_pair
 
     installed = installed_versions(fresh_venv / "bin" / "python")
-    assert "transformers" not in installed and installed["huggingface-hub"] == HUB_FLOOR
+    assert "transformers" not in installed and "numpy" not in installed and installed["huggingface-hub"] == HUB_FLOOR
     source = tmp_path / "source"
     write_pair(source, preset=tiny_preset("31b"), num_shards=2)
-    inspected = run_tool(fresh_venv, "inspect", source / "target", "--json", cwd=tmp_path)
-    assert inspected.returncode == 0, inspected.stderr
-    assert json.loads(inspected.stdout)["recommendation"]["layout"] in ("per-layer", "none")
-    compat = run_tool(fresh_venv, "compat", "--json", cwd=tmp_path)
-    assert compat.returncode == 0 and len(json.loads(compat.stdout)) == len(load_ledger())
-    out = tmp_path / "out"
-    converted = run_tool(fresh_venv, "convert", "--target", source / "target", "--assistant", source / "assistant",
-                         "--out", out, cwd=tmp_path)
-    assert converted.returncode == 0, converted.stderr
+    target, assistant = source / "target", source / "assistant"
+
+    def ok(*args: str | Path) -> subprocess.CompletedProcess:
+        done = run_tool(fresh_venv, *args, cwd=tmp_path)
+        assert done.returncode == 0, f"gemma4-convert {' '.join(map(str, args))}: {done.stdout}{done.stderr}"
+        return done
+
+    assert json.loads(ok("inspect", target, "--json").stdout)["recommendation"]["layout"] in ("per-layer", "none")
+    assert len(json.loads(ok("compat", "--json").stdout)) == len(load_ledger())
+    converted = ok("convert", "--target", target, "--assistant", assistant, "--out", tmp_path / "per-layer")
     assert "chosen: --layout per-layer: " in converted.stdout and "vllm serve " in converted.stdout
-    checked = run_tool(fresh_venv, "check-pair", out / "target", out / "assistant", cwd=tmp_path)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
+    ok("convert", "--target", target, "--assistant", assistant, "--out", tmp_path / "pad-global",
+       "--layout", "pad-global")
+    served = ok("convert", "--target", target, "--assistant", assistant, "--out", tmp_path / "served",
+                "--serving", "vllm==0.22.1")
+    assert "chosen: --layout pad-global" in served.stdout
+    for out in ("per-layer", "pad-global", "served"):
+        ok("check-pair", tmp_path / out / "target", tmp_path / out / "assistant")
+        ok("verify", "--target", target, "--assistant", assistant, "--converted", tmp_path / out, "--device", "cpu")
+        ok("inspect", tmp_path / out / "target")
+    dry = ok("upload", tmp_path / "pad-global", "--target-repo", "me/t-pad-global", "--assistant-repo",
+             "me/a-pad-global", "--dry-run")
+    assert "config.json" in dry.stdout
     where = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import converter; print(converter.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert str(fresh_venv) in where and str(REPO) not in where
+    factory = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import converter.testing"],
+                             capture_output=True, text=True, cwd=tmp_path)
+    assert factory.returncode != 0 and "No module named 'converter.testing'" in factory.stderr
 
 
 def test_hub_sources_and_hub_errors_work_at_the_huggingface_hub_floor(fresh_venv, tmp_path):
