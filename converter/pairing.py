@@ -124,7 +124,7 @@ def _kv_share(target: ModelSpec, assistant_layer) -> KvShare:
 
 def serve_line(*, target: str | None, assistant: str | None, layout: str, tp: int | None = None) -> str:
     """The `vllm serve` command for a pair, by local path (convert) or repo id (cards); pad-global pins the attention
-    backend (FACTS.md section 4)."""
+    backend (docs/DESIGN.md section 4)."""
     target_ref = target or "<TARGET converted the same way>"
     assistant_ref = assistant or "<ASSISTANT converted the same way>"
     spec = ('{"method": "mtp", "model": "' + assistant_ref + f'", "num_speculative_tokens": '

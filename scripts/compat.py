@@ -60,7 +60,7 @@ def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool,
     env = dict(os.environ, GEMMA4_VLLM_PYTHONS=os.pathsep.join(pythons), GEMMA4_REQUIRE_VLLM="1",
                GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0",
                GEMMA4_LEDGER_RESUME=str(resume or ""))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm027 or engine027",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm_loader or vllm_engine",
            f"--junitxml={junit}", *tests]
     if cases:  # test ids carry the case name (e.g. test_stock_vllm_load[26b-a4b-qat-q4_0-original-0.27.0-newest])
         cmd += ["-k", " or ".join(cases)]

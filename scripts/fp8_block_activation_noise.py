@@ -1,4 +1,4 @@
-"""Measures what pad-global does to an fp8 o_proj at serving time (docs/FP8.md quotes its output).
+"""Measures what pad-global does to an fp8 o_proj at serving time (docs/CLI.md quotes its output).
 
 pad-global moves block-quantized WEIGHTS exactly (their dequantized values are bit-identical; tests/test_fp8.py).
 What it cannot keep is the run-time quantization of o_proj's INPUT: with compressed-tensors FP8_BLOCK the input is

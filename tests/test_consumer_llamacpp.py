@@ -75,7 +75,7 @@ def llamacpp_row(name: str, variant: str, digest: str, verdict: str = PASS, deta
     return engine_case_row(CONSUMER, LLAMACPP, LLAMACPP_TRANSFORMERS, name, variant, digest, verdict, detail, figures)
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.compat
 @pytest.mark.parametrize("name", LLAMACPP_SOURCES)
 def test_llamacpp_converts_and_generates_like_the_original(engine_case, tmp_path, name):

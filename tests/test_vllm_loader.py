@@ -1,6 +1,6 @@
 """Converted outputs against the REAL stock vLLM 0.27.0 loader, on CPU (docs/VLLM_CHECK.md).
 
-The matrix tests (marker ``vllm027``) write tiny synthetic pairs, convert them with the
+The matrix tests (marker ``vllm_loader``) write tiny synthetic pairs, convert them with the
 `gemma4-convert` CLI, and run scripts/consumers/vllm/check.py as a subprocess inside each vLLM venv
 (scripts/consumers/vllm/envs.sh, package `vllm`): one with transformers 5.14.1, one with the newest 5.x. They assert on
 the checker's --json result: which stage failed and with which exception, or that every loaded
@@ -299,7 +299,7 @@ def _expectation(source: Source, pair: Path, env: VllmEnv) -> tuple[str | None, 
     return expected_failure(pair, env), q_only, caveat
 
 
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.parametrize("row", _row_params(LOADER_ROWS))
 def test_stock_vllm_load(pairs, batched, tmp_path, row):
     source_name, variant, vllm = row.source, row.variant, row.vllm
@@ -390,7 +390,7 @@ def test_stock_vllm_load(pairs, batched, tmp_path, row):
 # The stock kernel selection, not stood in for: on this CPU vLLM 0.27.0 refuses these targets while BUILDING them
 # (FP8 block: the last statement of CompressedTensorsW8A8Fp8.create_weights; NVFP4: ModelOptNvFp4LinearMethod's
 # constructor), which keeps true what docs/VLLM_CHECK.md says the loaders-only rows do not exercise.
-@pytest.mark.vllm027
+@pytest.mark.vllm_loader
 @pytest.mark.compat
 @pytest.mark.parametrize("source_name", [name for name, src in SOURCES.items() if src.kernel_refused])
 def test_stock_kernel_selection_refuses_on_this_cpu(pairs, tmp_path, source_name):

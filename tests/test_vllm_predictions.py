@@ -22,7 +22,7 @@ from converter.testing.synthetic import tiny_preset, write_pair
 from _vllm_envs import LEGACY_TRANSFORMERS, find_env
 from test_vllm_loader import LOADER_PACKAGE, run_checker
 
-pytestmark = pytest.mark.vllm027
+pytestmark = pytest.mark.vllm_loader
 
 
 @pytest.fixture(scope="module")

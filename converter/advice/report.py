@@ -1,6 +1,6 @@
-"""`inspect`: what a checkpoint is and what stock vLLM 0.27 will do with it, from config + headers only.
+"""`inspect`: what a checkpoint is and what stock vLLM will do with it, from config + headers only.
 
-The document built here is the `--json` output; its keys are documented in README.md and stay stable.
+The document built here is the `--json` output; its keys are documented in docs/CLI.md and stay stable.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ REPORT_VERSION = 1
 
 def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = None,
                        tp: int | None = None) -> dict[str, Any]:
-    """The inspect document for one checkpoint (see README.md, "inspect --json keys").
+    """The inspect document for one checkpoint (see docs/CLI.md, "inspect --json keys").
 
     Args:
         checkpoint: the checkpoint (config and headers are all that is read).
@@ -44,6 +44,8 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
     parallel = None if tp is None else tensor_parallel(spec, tp)
     problems = checkpoint_problems(checkpoint, attention_tensors) + (parallel["problems"] if parallel else [])
     recognized = _recognized_layout(checkpoint)
+    stock_vllm = predict_vllm(spec, attention_tensors, predict_weight_loading(
+        contradictions + kv_shared_gaps(spec, attention_tensors), spec))
     return {
         "report_version": REPORT_VERSION,
         "path": str(checkpoint.path),
@@ -64,8 +66,8 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
         "quantization": _quantization(spec),
         "moe": _moe(checkpoint),
         "conversion": _conversion(checkpoint, recognized),
-        "vllm_0_27": predict_vllm(spec, attention_tensors, predict_weight_loading(
-            contradictions + kv_shared_gaps(spec, attention_tensors), spec)),
+        "stock_vllm": stock_vllm,
+        LEGACY_STOCK_VLLM_KEY: stock_vllm,
         "recommendation": _at_tensor_parallel(
             recommend(spec, fused=_fused(attention_tensors), env=serving, kv_ratio=kv_costs(spec.attention)[0].ratio,
                       recognized=recognized), parallel),
@@ -257,8 +259,14 @@ def _fused(tensors: list[AttentionTensor]) -> bool:
     return any(t.from_fused for t in tensors)
 
 
+# The name `stock_vllm` had in report_version 1's first releases; kept beside it, with the same value, for the
+# scripts that parse it (docs/CLI.md). Remove in the next report_version.
+LEGACY_STOCK_VLLM_KEY = "vllm_0_27"
+
+
 def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[TensorLoad] = ()) -> dict[str, Any]:
-    """What stock vLLM 0.27.0 did with this config's shape in the ledger, per transformers generation.
+    """What stock vLLM did with this config's shape in the ledger, per transformers generation: the release whose
+    loader meets both generations (its `vllm` key; 0.27.0, the last before per-layer configs were read).
 
     `loads`: what its weight loaders do with tensors that contradict the config (vllm_loading.py); where the
     config itself loads, they decide the outcome: "fails" (the error the first one raises) or "loads wrong".
@@ -282,8 +290,8 @@ def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[Te
     if weights is not None:
         old = weights if config_loads[0] else old
         new = weights if config_loads[1] else new
-    return {"transformers<5.15": old, "transformers>=5.15": new, "silent_truncation_risk": risk,
-            "weights": [load.to_json() for load in loads]}
+    return {"vllm": VLLM_027_OLD.vllm, "transformers<5.15": old, "transformers>=5.15": new,
+            "silent_truncation_risk": risk, "weights": [load.to_json() for load in loads]}
 
 
 def _weights_verdict(loads: list[TensorLoad]) -> dict[str, Any] | None:

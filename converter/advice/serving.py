@@ -2,7 +2,7 @@
 
 Pure, except `read_serving_env`, which asks the user's serving python for its vLLM and transformers versions.
 The outcomes are the ones the loader matrix measures (tests/test_vllm_loader.py asserts `predict` against the real
-stock loader for every row it runs; docs/VLLM_CHECK.md): FACTS.md sections 3, 7 and 8.
+stock loader for every row it runs; docs/VLLM_CHECK.md): docs/DESIGN.md sections 3, 7 and 8.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ FORM_FLAT = "flat-keys"  # heterogeneous flat keys only (the Hub checkpoints; pe
 
 TRANSFORMERS_PER_LAYER = (5, 15)  # first transformers that rebuilds per_layer_config from the flat keys
 VLLM_READS_PER_LAYER = (0, 28)  # first vLLM that reads per-layer configs itself (PR #49797)
-VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (FACTS.md section 8)
+VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (docs/DESIGN.md section 8)
 VLLM_DRAFT_KV_HEADS = (0, 23)  # first vLLM whose draft builds full layers with the global KV-head count
 KV_SHARING = "kv_sharing"  # the draft's KV geometry differs from the target layer whose cache it reads
 KV_MIXED, KV_UNIFORM = "mixed", "uniform"
@@ -115,7 +115,7 @@ def config_form(spec: ModelSpec, *, fused: bool) -> str:
 
 
 def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verdict:
-    """The rules (FACTS.md sections 3, 7, 8, 10): what stock vLLM `env.vllm` with transformers `env.transformers`
+    """The rules (docs/DESIGN.md sections 3, 7, 8, 10): what stock vLLM `env.vllm` with transformers `env.transformers`
     is expected to do with a config of this form. The loader matrix checks every ledger row against them (its
     `expected` column); `inspect` answers from what was measured (`measured`), and quotes these only as the
     expectation where nothing was.
@@ -135,7 +135,7 @@ def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verd
             return Verdict("unknown", None, "fused self_attn.qkv_proj: not checked with vLLM >= 0.28")
         return Verdict("loads", None, "vLLM >= 0.28 reads per-layer geometry itself (gemma4_layer_config)")
     ambiguous = Verdict("fails", AMBIGUOUS, "transformers>=5.15 turns the flat keys into per_layer_config and raises "
-                        "on config.head_dim (vLLM model_arch_config_convertor.py:608) before any weight is read")
+                        "on config.head_dim (vLLM 0.27.0 model_arch_config_convertor.py:608) before any weight is read")
     if form == FORM_PER_LAYER_CONFIG:
         return ambiguous
     if form == FORM_FUSED:

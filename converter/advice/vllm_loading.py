@@ -1,6 +1,6 @@
 """What stock vLLM 0.27.0's weight loaders do with attention tensors that contradict the config (no I/O, no torch).
 
-Read in the vLLM 0.27.0 wheel (file:line below; FACTS.md section 3), tensor parallel size 1:
+Read in the vLLM 0.27.0 wheel (file:line below; docs/DESIGN.md section 3), tensor parallel size 1:
 - target q/k/v -> `QKVParallelLinear.weight_loader_v2` -> `load_qkv_weight` (model_executor/parameter.py:178-201):
   the checkpoint tensor is narrowed to the slot's rows (`loaded_weight.narrow(0, 0, rows)`, :196), then
   `assert param_data.shape == loaded_weight.shape` (:200). k_eq_v layers load k_proj into the V slot as well

@@ -37,7 +37,7 @@ class _VerbGroup(click.Group):
 @click.version_option(__version__, prog_name="gemma4-convert")
 @click.option("--debug", is_flag=True, help="Show the Python traceback of unexpected errors.")
 def cli(debug: bool) -> None:
-    """Convert Gemma 4 target + MTP assistant checkpoints into layouts stock vLLM 0.27 loads correctly.
+    """Convert Gemma 4 target + MTP assistant checkpoints into layouts stock vLLM 0.21-0.33 serves correctly.
 
     \b
     Exit codes: 0 ok, 1 verification / pair check failed, 2 usage, 3 bad input checkpoint,

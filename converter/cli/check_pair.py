@@ -1,4 +1,4 @@
-"""`gemma4-convert check-pair TARGET ASSISTANT`: can these two serve together in vLLM 0.27?"""
+"""`gemma4-convert check-pair TARGET ASSISTANT`: can these two serve together in stock vLLM?"""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
     click.echo(f"wrote {out} ({human_bytes(plan.output_bytes)} of tensors{_made_summary(result)})")
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
-    click.echo(f"serve it with stock {env.label() if env else 'vLLM 0.27'}:")
+    click.echo(f"serve it with stock {env.label() if env else 'vLLM'}:")
     if flat_keys_only:
         click.echo("  (--flat-keys-only needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
     click.echo(f"  {serve_command(plan)}")

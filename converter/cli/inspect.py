@@ -85,13 +85,13 @@ def render(report: dict[str, Any]) -> None:
         if c["drift"]:
             d = c["drift"]
             click.echo(f"    changed since: {d['what']}\n    breaks: {d['breaks']}\n    fix: {d['fix']}")
-    click.echo("  stock vLLM 0.27:")
+    click.echo(f"  stock vLLM {report['stock_vllm']['vllm']}:")
     for generation in ("transformers<5.15", "transformers>=5.15"):
-        verdict = report["vllm_0_27"][generation]
+        verdict = report["stock_vllm"][generation]
         error = f" ({verdict['error']})" if verdict["error"] else ""
         click.echo(f"    with {generation}: {verdict['outcome']}{error} - {verdict['detail']}")
-    if report["vllm_0_27"]["silent_truncation_risk"]:
-        click.echo(f"    risk: {report['vllm_0_27']['silent_truncation_risk']}")
+    if report["stock_vllm"]["silent_truncation_risk"]:
+        click.echo(f"    risk: {report['stock_vllm']['silent_truncation_risk']}")
     render_recommendation(report["recommendation"])
     weights = report["weight_bytes"]
     padded = weights["pad_global"]

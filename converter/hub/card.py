@@ -118,8 +118,8 @@ def _summary(manifest: Mapping[str, Any], role: str, base_model: str | None) -> 
         actions[tensor.get("action", "?")] = actions.get(tensor.get("action", "?"), 0) + 1
     counts = ", ".join(f"{n} {a}" for a, n in sorted(actions.items()))
     return (f"{kind} `{manifest.get('model_type')}` from {origin}, re-laid out by gemma4-convert "
-            f"{manifest.get('version')} into the **{manifest.get('layout')}** layout so stock vLLM 0.27 loads it "
-            f"correctly. Nothing was trained and no dtype changed: tensors {counts}; "
+            f"{manifest.get('version')} into the **{manifest.get('layout')}** layout so stock vLLM loads it "
+            f"correctly (the releases proven are listed below). Nothing was trained and no dtype changed: tensors {counts}; "
             f"{human_bytes(manifest.get('output', {}).get('total_size', 0))} of weights.")
 
 
@@ -147,7 +147,7 @@ def _serve_section(role: str, layout: str, variant: str, repo_id: str, target_re
     other = assistant_repo if role == ROLE_TARGET else target_repo
     partner = (f"Its {other_role} is [{other}](https://huggingface.co/{other}), converted the same way."
                if other else f"Convert and upload its {other_role} with the same `--layout {layout}`.")
-    lines = [f"## Serve with vLLM 0.27\n\nThis repo is the **{role}**. {partner}\n",
+    lines = [f"## Serve with vLLM\n\nThis repo is the **{role}**. {partner}\n",
              "```bash", serve_line(target=target_repo, assistant=assistant_repo, layout=layout, tp=tp), "```"]
     if variant == FLAT_KEYS_ONLY:
         lines.append("\nRun it with `pip install 'transformers<5.15'` in vLLM's environment.")

@@ -3,7 +3,7 @@
 Anchors: huggingface_hub `HfApi.resolve_revision` (hf_api.py) turns a branch/tag into a commit hash and falls back on
 the cache's `refs/` when offline; `snapshot_download` (_snapshot_download.py) then fetches every file at that one
 hash. safetensors' convert.py fetches the index at `--revision` and the shards at the default branch; we resolve the
-revision once and pass the commit sha to every later call, so one source never mixes revisions (STYLE.md section 10).
+revision once and pass the commit sha to every later call, so one source never mixes revisions.
 Token, cache and offline mode are huggingface_hub's own: HF_TOKEN (or `hf auth login`), HF_HOME / HF_HUB_CACHE,
 HF_HUB_OFFLINE=1.
 

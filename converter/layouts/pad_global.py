@@ -1,7 +1,7 @@
 """`pad-global`: every layer gets head_dim = global_head_dim and num_key_value_heads KV heads, exactly.
 
 Sliding layers grow d -> D with the interleaved-per-half duplicate placement; full k_eq_v layers
-replicate their global KV heads (FACTS.md section 4). The config becomes homogeneous, so no
+replicate their global KV heads (docs/DESIGN.md section 4). The config becomes homogeneous, so no
 transformers version has a per-layer attribute to reject, and vLLM 0.27 builds every layer alike.
 
 Quantized weights stored one code per element (compressed-tensors fp8, and symmetric int8 `int-quantized`, W8A8)
@@ -163,7 +163,7 @@ class PadGlobalLayout(Layout):
         return kept(tensor, out_name)  # channel scales: the zero codes are exact under any scale
 
     def geometry_keys(self, attention: AttentionConfig) -> dict[str, Any]:
-        # num_global_key_value_heads stays written: transformers 5.14.1 fails on None (FACTS.md section 4)
+        # num_global_key_value_heads stays written: transformers 5.14.1 fails on None (docs/DESIGN.md section 4)
         return explicit_geometry(attention, head_dim=attention.global_head_dim,
                                  num_global_key_value_heads=attention.num_kv_heads)
 

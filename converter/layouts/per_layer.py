@@ -1,6 +1,6 @@
-"""`per-layer`: the geometry keys stock vLLM 0.27 reads; tensors unchanged (fused qkv split). Zero cost.
+"""`per-layer`: the flat per-layer-type geometry keys stock vLLM reads (every release up to 0.27 only these); tensors unchanged (fused qkv split). Zero cost.
 
-Default (`keys: dual`): the flat keys plus the config-only "dual keys" (gemma4.py, FACTS.md section 7), so the
+Default (`keys: dual`): the flat keys plus the config-only "dual keys" (gemma4.py, docs/DESIGN.md section 7), so the
 output loads under transformers 5.14 AND >= 5.15 (which would otherwise rebuild per_layer_config and raise
 AmbiguousGlobalPerLayerAttributeError in vLLM 0.27). `keys: flat` (`convert --flat-keys-only`) writes the bare flat
 keys: serves with transformers < 5.15 only.

@@ -5,9 +5,10 @@ eager_attention_forward :812, Gemma4TextRotaryEmbedding :1078, Gemma4TextAttenti
 :1339, Gemma4TextModel :1544) and `models/gemma4_assistant/modeling_gemma4_assistant.py`
 (Gemma4AssistantMaskedEmbedder :42, Gemma4AssistantForCausalLM :99). We mirror their "eager" path operation by
 operation and dtype by dtype (norms in fp32 then cast back, cos/sin cast to the activation dtype, softmax in fp32),
-so a bf16 run rounds where transformers rounds; tests/test_reference.py holds us to that.
+so a bf16 run rounds where transformers rounds; tests/test_reference.py holds us to that. Every file:line in this
+module is transformers 5.23.0's.
 
-Facts the code relies on (checked in 5.23.0, FACTS.md agrees): RMSNorm multiplies by `w` (not `1 + w`); q/k are
+Facts the code relies on (checked in 5.23.0; docs/DESIGN.md section 1): RMSNorm multiplies by `w` (not `1 + w`); q/k are
 normed BEFORE RoPE; v_norm is an RMSNorm without weight; attention scaling is 1.0; a k_eq_v layer's V is the raw
 k_proj output (then v_norm, no k_norm/RoPE); "proportional" RoPE rotates the first int(p * hd // 2) frequency
 pairs and leaves the rest unrotated (inv_freq 0).
@@ -330,7 +331,7 @@ def rope_inv_freq(*, head_dim: int, rope_theta: float, partial_rotary_factor: fl
     """Inverse RoPE frequencies [head_dim // 2], fp32 on CPU (where transformers computes them at init).
 
     partial_rotary_factor 1.0 is the "default" RoPE (modeling_gemma4.py:1119-1135); anything else is
-    "proportional" (modeling_rope_utils.py:194-267): the first int(p * head_dim // 2) pairs rotate with
+    "proportional" (transformers 5.23.0 modeling_rope_utils.py:194-267): the first int(p * head_dim // 2) pairs rotate with
     theta^(-2k/head_dim), the rest get frequency 0 (cos 1, sin 0: unrotated). Both divide by `rope_factor`.
 
     Args:
@@ -373,7 +374,7 @@ def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, *, sliding
                 ) -> torch.Tensor:
     """Boolean mask [batch, 1, q, k], True where a query may attend to a key.
 
-    Causal: key position <= query position; sliding: also key > query - window (masking_utils.py:88-134, so the
+    Causal: key position <= query position; sliding: also key > query - window (transformers 5.23.0 masking_utils.py:88-134, so the
     window counts the query itself: `window` keys at most).
     """
     q = q_positions[:, None, :, None]
@@ -649,7 +650,7 @@ def assistant_masks(*, query_length: int, shared_kv: Mapping[str, tuple[torch.Te
     """The assistant's attention masks, as Gemma4AssistantForCausalLM.create_attention_masks builds them.
 
     Full layers see every target position. Sliding layers use transformers' bidirectional sliding mask
-    (|q - j| <= window, masking_utils.py:137-147) flipped on the KV axis, so query i sees the LAST window + 1 - i
+    (|q - j| <= window, transformers 5.23.0 masking_utils.py:137-147) flipped on the KV axis, so query i sees the LAST window + 1 - i
     target positions (for the single query `generate` uses: the last window + 1, one more than the target's own
     causal window).
 

