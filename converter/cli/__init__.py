@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 
 import click
 
@@ -52,6 +53,8 @@ def _interrupt(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps every error to one line and an exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv) or bool(os.environ.get("GEMMA4_CONVERT_DEBUG"))
+    # numpy is no requirement (the tool never needs it); torch's CPU wheel warns at import when it is absent
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     previous_sigterm = None
     if threading.current_thread() is threading.main_thread():
         # SIGTERM (kill, timeout, a batch scheduler) cleans up like Ctrl-C instead of dying mid-write
