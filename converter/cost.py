@@ -1,4 +1,4 @@
-"""What pad-global costs: KV-cache bytes per token and weight growth (pure arithmetic on the geometry)."""
+"""What a layout costs: KV-cache bytes per token of a geometry before and after (pure arithmetic on the geometry)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ CONTEXTS = (8192, 131072)
 
 
 def homogeneous(attention: AttentionConfig) -> AttentionConfig:
-    """The geometry pad-global gives: every layer head_dim = global_head_dim with num_key_value_heads KV heads."""
+    """Every layer head_dim = global_head_dim with num_key_value_heads KV heads (the pad-global layout's output)."""
     return replace(attention, head_dim=attention.global_head_dim, num_global_kv_heads=attention.num_kv_heads)
 
 
@@ -46,9 +46,9 @@ class KvCost:
         return self.after / self.before if self.before else None
 
 
-def kv_costs(attention: AttentionConfig, *, dtype_bytes: int = 2) -> tuple[KvCost, ...]:
-    """Before/after pad-global: every layer in full, then with sliding windows at each of CONTEXTS."""
-    after = homogeneous(attention)
+def kv_costs(attention: AttentionConfig, after: AttentionConfig, *, dtype_bytes: int = 2) -> tuple[KvCost, ...]:
+    """Before (`attention`) / after (a layout's output geometry, Layout.output_attention): every layer in full, then
+    with sliding windows at each of CONTEXTS."""
     return tuple(KvCost(before=kv_bytes_per_token(attention, dtype_bytes=dtype_bytes, context=context),
                         after=kv_bytes_per_token(after, dtype_bytes=dtype_bytes, context=context), context=context)
                  for context in (None, *CONTEXTS))

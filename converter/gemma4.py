@@ -32,6 +32,14 @@ DIALECT_LEGACY = "legacy"
 DIALECT_PER_LAYER = "per_layer_config"
 DIALECT_BOTH = "both"
 
+# What a config looks like to a vLLM release (advice/serving.config_form decides it; each layout names its output's).
+FORM_FUSED = "fused-qkv"  # self_attn.qkv_proj tensors: vLLM 0.27 maps split q/k/v only
+FORM_PER_LAYER_CONFIG = "per-layer-config"  # config.json holds per_layer_config (transformers >= 5.15 dialect)
+FORM_HOMOGENEOUS = "homogeneous"  # one head size and KV-head count everywhere
+FORM_DUAL_KEYS = "dual-keys"  # heterogeneous flat keys + the zero-cost dual keys
+FORM_FLAT = "flat-keys"  # heterogeneous flat keys only (the Hub checkpoints)
+KV_MIXED, KV_UNIFORM = "mixed", "uniform"  # whether the KV-head count differs between layer types
+
 # The keys stock vLLM 0.27 reads for per-layer-type geometry, in the order the per-layer layout writes them.
 GEOMETRY_KEYS = ("head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads",
                  "attention_k_eq_v", "layer_types")

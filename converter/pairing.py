@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .errors import UnsupportedLayoutError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, ModelSpec
+from .layouts import Layout, get_layout
 from .parallel import DEFAULT_TP_SIZES, rank_geometry, tp_problems
 
 DEFAULT_SPECULATIVE_TOKENS = 4
@@ -96,9 +98,10 @@ def check_pair(target: ModelSpec, assistant: ModelSpec, *, target_manifest: Mapp
         for tp in tp_sizes:
             problems.extend(tp_problems(target.attention, tp, what="the target"))
     layouts = (recorded_layout(target_manifest), recorded_layout(assistant_manifest))
-    if "pad-global" in layouts and layouts[0] != layouts[1]:
+    both = [name for name in layouts if name and _known_layout(name) and _known_layout(name).pair_must_match]
+    if both and layouts[0] != layouts[1]:
         problems.append(f"layouts differ: target {layouts[0] or 'unconverted'}, assistant {layouts[1] or 'unconverted'}"
-                        "; pad-global must be applied to both")
+                        f"; {both[0]} must be applied to both")
     return PairReport(shares=shares, problems=tuple(problems), per_rank=per_rank)
 
 
@@ -123,15 +126,23 @@ def _kv_share(target: ModelSpec, assistant_layer) -> KvShare:
 
 
 def serve_line(*, target: str | None, assistant: str | None, layout: str, tp: int | None = None) -> str:
-    """The `vllm serve` command for a pair, by local path (convert) or repo id (cards); pad-global pins the attention
-    backend (docs/DESIGN.md section 4)."""
+    """The `vllm serve` command for a pair, by local path (convert) or repo id (cards), with the flags the layout
+    (a registered name; any other gets none) asks for (Layout.serve_flags)."""
     target_ref = target or "<TARGET converted the same way>"
     assistant_ref = assistant or "<ASSISTANT converted the same way>"
     spec = ('{"method": "mtp", "model": "' + assistant_ref + f'", "num_speculative_tokens": '
             f'{DEFAULT_SPECULATIVE_TOKENS}}}')
     command = f"vllm serve {target_ref} --speculative-config '{spec}'"
-    if layout == "pad-global":
-        command += " --attention-backend TRITON_ATTN"
+    known = _known_layout(layout)
+    command += known.serve_flags if known else ""
     if tp is not None:
         command += f" --tensor-parallel-size {tp}"
     return command
+
+
+def _known_layout(name: str) -> Layout | None:
+    """The registered layout of that name with its default options; None for a name this version does not know."""
+    try:
+        return get_layout(name)
+    except UnsupportedLayoutError:
+        return None

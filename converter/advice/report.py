@@ -9,11 +9,11 @@ import math
 from collections import Counter
 from typing import Any
 
-from ..cost import homogeneous, kv_costs
+from ..cost import kv_costs
 from ..parallel import kv_bytes_per_token_per_rank, layer_type_geometry, tp_problems
 from ..errors import InputError
 from ..gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
-from ..layouts import get_layout, layout_names
+from ..layouts import Layout, default_layout, layout_names, layouts_in_preference
 from ..layouts.base import layout_from_manifest
 from ..quantization import weight_scheme
 from ..read.checkpoint import Checkpoint
@@ -69,45 +69,72 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
         "stock_vllm": stock_vllm,
         LEGACY_STOCK_VLLM_KEY: stock_vllm,
         "recommendation": _at_tensor_parallel(
-            recommend(spec, fused=_fused(attention_tensors), env=serving, kv_ratio=kv_costs(spec.attention)[0].ratio,
-                      recognized=recognized), parallel),
+            recommend(spec, fused=_fused(attention_tensors), env=serving, recognized=recognized), parallel),
         "tensor_parallel": parallel,
         "weight_bytes": _weight_bytes(checkpoint, attention_tensors),
-        "kv_cache_bytes_per_token": [
-            {"context": c.context, "current": c.before, "per_layer": c.before, "pad_global": c.after,
-             "ratio": None if c.ratio is None else round(c.ratio, 3)}
-            for c in kv_costs(spec.attention)],
+        "kv_cache_bytes_per_token": _kv_cache_bytes(spec),
     }
 
 
+def layout_key(layout: Layout) -> str:
+    """A layout's name as a key of the inspect document: "pad-global" -> "pad_global"."""
+    return layout.name.replace("-", "_")
+
+
+def _kv_cache_bytes(spec: ModelSpec) -> list[dict[str, Any]]:
+    """Per context: the source's KV cache per token and each layout's; `ratio`: the costliest layout's."""
+    per_layout = {layout_key(layout): kv_costs(spec.attention, layout.output_attention(spec.attention))
+                  for layout in layouts_in_preference()}
+    rows = []
+    for i, source in enumerate(next(iter(per_layout.values()))):
+        ratios = [costs[i].ratio for costs in per_layout.values() if costs[i].ratio is not None]
+        rows.append({"context": source.context, "current": source.before,
+                     **{key: costs[i].after for key, costs in per_layout.items()},
+                     "ratio": round(max(ratios), 3) if ratios else None})
+    return rows
+
+
 def _at_tensor_parallel(recommendation: dict[str, Any], parallel: dict[str, Any] | None) -> dict[str, Any]:
-    """With --tp N, pad-global's price where the recommendation names it (the layout or its alternative) is its KV
-    cache per rank at N: global heads per-layer replicates anyway cost nothing extra (31B x2.18 at TP 4, x2.0 at 8)."""
-    if parallel is None or parallel["pad_global_kv_ratio"] is None:
+    """With --tp N, the price of a geometry-changing layout where the recommendation names it (the layout or its
+    alternative) is its KV cache per rank at N: global heads that the source replicates anyway cost nothing extra
+    (pad-global on 31B: x2.18 at TP 4, x2.0 at 8)."""
+    if parallel is None:
         return recommendation
-    at_tp = {"tp": parallel["tp"], "kv_cache_ratio_per_rank": parallel["pad_global_kv_ratio"]}
-    if recommendation["layout"] == "pad-global":
-        return {**recommendation, "pad_global_at_tp": at_tp}
-    alternative = recommendation.get("alternative")
-    if alternative and alternative.get("layout") == "pad-global":
-        return {**recommendation, "alternative": {**alternative, "at_tp": at_tp}}
+    for layout in layouts_in_preference():
+        ratio = parallel.get(f"{layout_key(layout)}_kv_ratio")
+        if ratio is None:
+            continue
+        at_tp = {"tp": parallel["tp"], "kv_cache_ratio_per_rank": ratio}
+        if recommendation["layout"] == layout.name:
+            return {**recommendation, f"{layout_key(layout)}_at_tp": at_tp}
+        alternative = recommendation.get("alternative")
+        if alternative and alternative.get("layout") == layout.name:
+            return {**recommendation, "alternative": {**alternative, "at_tp": at_tp}}
     return recommendation
 
 
 def tensor_parallel(spec: ModelSpec, tp: int) -> dict[str, Any]:
-    """What each rank holds per layer type at this TP, as is (= per-layer) and after pad-global; pad-global's KV
-    price per rank (replicated global heads already cost per-layer, so it falls as TP grows); what vLLM refuses."""
-    padded = homogeneous(spec.attention)
-    before = kv_bytes_per_token_per_rank(spec.attention, tp)
-    after = kv_bytes_per_token_per_rank(padded, tp)
+    """What each rank holds per layer type at this TP, as is and after each layout; for a layout that changes the
+    geometry, its KV price per rank (global heads the source replicates already cost as much, so pad-global's falls
+    as TP grows) and what vLLM refuses of its output that it does not refuse of the source."""
     as_is = {name: g.document() for name, g in layer_type_geometry(spec.attention, tp).items()}
     what = f"this {spec.role}"
     source = tp_problems(spec.attention, tp, what=what)
-    return {"tp": tp, "as_is": as_is, "per_layer": as_is,
-            "pad_global": {name: g.document() for name, g in layer_type_geometry(padded, tp).items()},
-            "pad_global_kv_ratio": round(after / before, 3) if before else None,
-            "problems": source,
-            "pad_global_problems": [p for p in tp_problems(padded, tp, what=what) if p not in source]}
+    before = kv_bytes_per_token_per_rank(spec.attention, tp)
+    document: dict[str, Any] = {"tp": tp, "as_is": as_is}
+    changed: dict[str, Any] = {}
+    for layout in layouts_in_preference():
+        output = layout.output_attention(spec.attention)
+        key = layout_key(layout)
+        if output == spec.attention:
+            document[key] = as_is
+            continue
+        document[key] = {name: g.document() for name, g in layer_type_geometry(output, tp).items()}
+        after = kv_bytes_per_token_per_rank(output, tp)
+        changed[f"{key}_kv_ratio"] = round(after / before, 3) if before else None
+        changed[f"{key}_problems"] = [p for p in tp_problems(output, tp, what=what) if p not in source]
+    problems = {"problems": source, **{k: v for k, v in changed.items() if k.endswith("_problems")}}
+    return {**document, **{k: v for k, v in changed.items() if k.endswith("_kv_ratio")}, **problems}
 
 
 def _dialect(spec: ModelSpec) -> dict[str, Any]:
@@ -238,21 +265,25 @@ def _drift(checkpoint: Checkpoint) -> dict[str, Any]:
     breaks = (f"stock vLLM {', '.join(fails)} (measured: ledger rows of this config form)" if fails else
               "no vLLM release measured") + "; mlx-lm and SGLang 0.5.13 read the flat keys too (llama.cpp falls back to per_layer_config)"
     return {"what": what, "breaks": breaks, "serves": serves,
-            "fix": f"gemma4-convert convert {checkpoint.path} --layout per-layer --out NEW (config only, seconds)"}
+            "fix": f"gemma4-convert convert {checkpoint.path} --layout {default_layout().name} --out NEW (config only, "
+                   "seconds)"}
 
 
 def _weight_bytes(checkpoint: Checkpoint, tensors: list[AttentionTensor]) -> dict[str, int | None]:
-    """Tensor bytes as is, after per-layer (unchanged) and after pad-global (null where pad-global refuses it),
-    from the pad-global layout's own plan of every attention tensor."""
+    """Tensor bytes as is and after each layout (null where the layout refuses the checkpoint), from each layout's
+    own plan of every attention tensor."""
     spec, current = checkpoint.spec, checkpoint.total_bytes
-    layout = get_layout("pad-global")
-    try:
-        layout.check(spec, source=str(checkpoint.path))
-        growth = sum((math.prod(layout.plan_attention(t, spec, t.source.ref.name).shape) - math.prod(t.source.shape))
-                     * t.source.ref.itemsize for t in tensors)
-    except InputError:
-        return {"current": current, "per_layer": current, "pad_global": None}
-    return {"current": current, "per_layer": current, "pad_global": current + growth}
+    document: dict[str, int | None] = {"current": current}
+    for layout in layouts_in_preference():
+        try:
+            layout.check(spec, source=str(checkpoint.path))
+            growth = sum((math.prod(layout.plan_attention(t, spec, t.source.ref.name).shape)
+                          - math.prod(t.source.shape)) * t.source.ref.itemsize for t in tensors)
+        except InputError:
+            document[layout_key(layout)] = None
+            continue
+        document[layout_key(layout)] = current + growth
+    return document
 
 
 def _fused(tensors: list[AttentionTensor]) -> bool:

@@ -15,26 +15,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..cost import kv_costs
 from ..errors import UsageError
-from ..gemma4 import DIALECT_LEGACY, ModelSpec
-from .compat import CHECK_LOADER, PASS, load_ledger, version_key
+from ..gemma4 import (DIALECT_LEGACY, FORM_DUAL_KEYS, FORM_FLAT, FORM_FUSED, FORM_HOMOGENEOUS, FORM_PER_LAYER_CONFIG,
+                      KV_MIXED, KV_UNIFORM, ModelSpec)
+from ..layouts import Layout, get_layout, layouts_in_preference
+from .ledger import CHECK_LOADER, PASS, load_ledger, version_key
 from .evidence import Evidence, Shape, describe_rows, evidence, serving_rows
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
-# What a config looks like to vLLM, in the order `config_form` decides it.
-FORM_FUSED = "fused-qkv"  # self_attn.qkv_proj tensors: vLLM 0.27 maps split q/k/v only
-FORM_PER_LAYER_CONFIG = "per-layer-config"  # config.json holds per_layer_config (transformers >= 5.15 dialect)
-FORM_HOMOGENEOUS = "homogeneous"  # one head size and KV-head count everywhere (pad-global output)
-FORM_DUAL_KEYS = "dual-keys"  # flat keys + the zero-cost dual keys (per-layer output)
-FORM_FLAT = "flat-keys"  # heterogeneous flat keys only (the Hub checkpoints; per-layer --flat-keys-only)
 
 TRANSFORMERS_PER_LAYER = (5, 15)  # first transformers that rebuilds per_layer_config from the flat keys
 VLLM_READS_PER_LAYER = (0, 28)  # first vLLM that reads per-layer configs itself (PR #49797)
 VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (docs/DESIGN.md section 8)
 VLLM_DRAFT_KV_HEADS = (0, 23)  # first vLLM whose draft builds full layers with the global KV-head count
 KV_SHARING = "kv_sharing"  # the draft's KV geometry differs from the target layer whose cache it reads
-KV_MIXED, KV_UNIFORM = "mixed", "uniform"
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,7 +129,7 @@ def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verd
     if vllm[:2] >= VLLM_READS_PER_LAYER:
         if form == FORM_FUSED:
             return Verdict("unknown", None, "fused self_attn.qkv_proj: not checked with vLLM >= 0.28")
-        return Verdict("loads", None, "vLLM >= 0.28 reads per-layer geometry itself (gemma4_layer_config)")
+        return Verdict("loads", None, "vLLM >= 0.28 reads per-layer-type geometry itself (gemma4_layer_config)")
     ambiguous = Verdict("fails", AMBIGUOUS, "transformers>=5.15 turns the flat keys into per_layer_config and raises "
                         "on config.head_dim (vLLM 0.27.0 model_arch_config_convertor.py:608) before any weight is read")
     if form == FORM_PER_LAYER_CONFIG:
@@ -142,13 +138,13 @@ def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verd
         return ambiguous if new_transformers else Verdict(
             "fails", None, "fused self_attn.qkv_proj: vLLM 0.27 maps split q_proj/k_proj/v_proj only")
     if form == FORM_HOMOGENEOUS:
-        return Verdict("loads", None, "homogeneous geometry: no per-layer attribute to reject")
+        return Verdict("loads", None, "homogeneous geometry: no per-layer-type attribute to reject")
     if form == FORM_FLAT and new_transformers:
         return ambiguous
     if mixed_kv_heads and vllm[:2] < VLLM_DRAFT_KV_HEADS:
         return Verdict("fails", KV_SHARING, "vLLM 0.21/0.22 build every draft layer with the sliding KV-head count "
                        "(gemma4_mtp.py, config.num_key_value_heads): the draft's full layers do not match the "
-                       "target's full-attention KV cache they read; homogeneous geometry (pad-global) does")
+                       "target's full-attention KV cache they read; homogeneous geometry does")
     if form == FORM_DUAL_KEYS:
         return Verdict("loads", None, "the dual keys give vLLM the flat keys under every transformers 5.x")
     return Verdict("loads", None, "flat per-layer-type keys are what vLLM <= 0.27 reads")
@@ -225,73 +221,214 @@ def read_serving_env(python: Path, *, timeout_s: float = 60) -> ServingEnv:
     return ServingEnv(vllm=vllm, transformers=found["transformers"], python=str(python))
 
 
-def recommend(spec: ModelSpec, *, fused: bool, env: ServingEnv | None, kv_ratio: float | None,
-              recognized: str | None = None) -> dict[str, Any]:
-    """The `recommendation` document of inspect, from the ledger: no conversion where the checkpoint is measured
-    to serve, else zero-cost per-layer where it is measured to serve, else pad-global.
+NO_CONVERSION = "none"
+MEASURED, PREDICTED = "measured", "predicted"
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """The next layout to turn to, and where."""
+
+    layout: str
+    when: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which layout a checkpoint of one shape needs in one serving environment: the one answer `convert` (with and
+    without --layout), `inspect`, convert's notes and the generated tables' Hub columns all read (`decide`)."""
+
+    layout: str | None  # NO_CONVERSION, a layout's name, or None: nothing measured or predicted serves there
+    why: str
+    basis: str | None  # MEASURED (ledger rows), PREDICTED (the rules: no row answers), None (neither answers)
+    proven: bool  # measured in exactly this environment (MEASURED with the release's other transformers: False)
+    writes: str  # the layout `convert` writes without --layout: a source that serves as it is is converted anyway
+    writes_why: str  # convert's one "chosen:" line
+    serves_as_is: str | None = None  # convert's note where the source already serves in this environment
+    alternative: Alternative | None = None
+    requires: str | None = None  # no environment given: the releases the layout is measured serving on
+    no_conversion_needed_when: str | None = None  # no environment given: where the source serves as it is
+    env: ServingEnv | None = None  # the environment asked about
+    proven_release: str | None = None  # the ledger release that stands for env (0.22.0 -> 0.22.1)
+    outcome: Verdict | None = None  # the checkpoint as it is in env
+    tested: bool = False  # the ledger has rows of env itself
+    evidence: tuple[str, ...] = ()  # the rows the answer rests on, or the nearest proven ones
+
+
+def decide(shape: Shape, env: ServingEnv | None) -> Decision:
+    """The layout for a checkpoint of `shape` served by `env`, from the ledger, the rules where no row answers.
+
+    Args:
+        shape: how the ledger matches the checkpoint (shape_of).
+        env: the serving environment (--serving / --serving-python), or None: vLLM 0.27 under either transformers
+            generation (what the mission serves); without one, convert writes the cheapest layout.
+    """
+    return _decide_default(shape) if env is None else _decide_for(shape, env)
+
+
+def _candidates(shape: Shape) -> list[tuple[Layout, Shape]]:
+    """Each layout, cheapest first, with the shape its output has."""
+    return [(layout, Shape(*layout.ledger_shape(shape.kv_heads))) for layout in layouts_in_preference()]
+
+
+def _decide_default(shape: Shape) -> Decision:
+    candidates = _candidates(shape)
+    (default, after), fallback = candidates[0], (candidates[1][0] if len(candidates) > 1 else None)
+    writes_why = (f"{default.name}: the default, {default.cost_note}; --serving vllm==X or --serving-python PY lets "
+                  "the compatibility ledger choose for your vLLM")
+    old, new = (measured(shape, e)[0] for e in (VLLM_027_OLD, vllm_027_new()))
+    if old.outcome == new.outcome == "loads":
+        return Decision(NO_CONVERSION, f"serves as it is with vLLM 0.27 under transformers 5.14 and >=5.15 "
+                        f"({shape.form})", MEASURED, True, default.name, writes_why)
+    serves, fails = releases_where(after)
+    return Decision(
+        default.name, default.advice_why, MEASURED if serves else None, bool(serves), default.name, writes_why,
+        alternative=Alternative(fallback.name, _fallback_when(default, fails)) if fallback else None,
+        requires=f"vLLM {', '.join(serves) or '(none measured)'} under every transformers measured"
+                 + (f"; not vLLM {', '.join(fails)}: {fallback.name} there" if fails and fallback else ""),
+        no_conversion_needed_when=("vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
+                                   if old.outcome == "loads" else None))
+
+
+def _decide_for(shape: Shape, asked: ServingEnv) -> Decision:
+    env = _proven_patch(asked)
+    patch = f" (vLLM {asked.vllm} itself is not in the ledger; {env.vllm} is the proven release of its minor)" \
+        if env.vllm != asked.vllm else ""
+    now, found = measured(shape, env)
+    where = {"env": asked, "proven_release": env.vllm, "outcome": now, "tested": found.proven,
+             "evidence": tuple(describe_rows(found.rows or found.nearest))}
+    candidates = _candidates(shape)
+    if now.outcome == "loads":
+        writes = next((layout for layout, after in candidates if measured(after, env)[0].outcome == "loads"),
+                      candidates[0][0])
+        as_is = _rows_for(shape, env)
+        return Decision(NO_CONVERSION, f"serves as it is with {env.label()}{patch}: {now.detail}", MEASURED, True,
+                        writes.name, _explain(writes, candidates, env),
+                        serves_as_is=f"the source already serves as it is with {env.label()} (measured: "
+                                     f"{_count(as_is.rows)} pass)", **where)
+    as_it_is = ("fails" if now.outcome == "fails" else "is not proven") + (f" ({now.error})" if now.error else "")
+    for proven_only in (True, False):
+        for i, (layout, after) in enumerate(candidates):
+            verdict, _ = measured(after, env) if proven_only else _across_transformers(after, env)
+            if verdict.outcome != "loads":
+                continue
+            following = candidates[i + 1][0] if i + 1 < len(candidates) else None
+            other_transformers = "" if proven_only else \
+                f"; not measured with {env.label()} itself, with its release's other transformers"
+            return Decision(
+                layout.name, f"with {env.label()}{patch} the checkpoint as it is {as_it_is}: {now.detail}; "
+                f"{layout.advice_why} ({verdict.detail})", MEASURED, proven_only, layout.name,
+                _explain(layout, candidates, env) + other_transformers,
+                alternative=Alternative(following.name, _fallback_when(layout, releases_where(after)[1]))
+                if following else None, **where)
+    for layout, after in candidates:
+        rules = [predict(after.form, generation, mixed_kv_heads=after.kv_heads == KV_MIXED)
+                 for generation in _generations(env)]
+        if all(rule.outcome == "loads" for rule in rules):
+            return Decision(
+                layout.name, f"with {env.label()}{patch} no row of the ledger answers ({now.detail}); predicted "
+                f"from the rules: {layout.advice_why} ({rules[0].detail})", PREDICTED, False, layout.name,
+                f"{layout.name}: predicted from the rules for {env.label()}, not measured ({rules[0].detail}); "
+                "check the output there: make vllm-check", **where)
+    default = candidates[0][0]
+    return Decision(None, f"no layout of this tool is proven to serve with {env.label()}{patch}: {now.detail}", None,
+                    False, default.name, f"{default.name}: the default, {default.cost_note}; no layout of this tool "
+                    f"is proven with {env.label()} (check the output there: make vllm-check)", **where)
+
+
+def _generations(env: ServingEnv) -> list[ServingEnv]:
+    """env, or, with no transformers named, env under each transformers generation (before and from 5.15)."""
+    if env.transformers:
+        return [env]
+    return [replace(env, transformers="5.14.1"), replace(env, transformers=".".join(map(str, TRANSFORMERS_PER_LAYER)))]
+
+
+def _explain(layout: Layout, candidates: list[tuple[Layout, Shape]], env: ServingEnv) -> str:
+    """convert's "chosen:" line: "pad-global: per-layer does not serve with vLLM 0.22.1: ... (measured: ...); ..."
+    says why each cheaper layout does not serve there."""
+    shapes = {candidate.name: after for candidate, after in candidates}
+    found = _rows_for(shapes[layout.name], env)
+    reasons = []
+    for cheaper, after in candidates[:[c.name for c, _ in candidates].index(layout.name)]:
+        verdict, evidence_found = measured(after, env)
+        if verdict.outcome == "fails":
+            rule = predict(after.form, env, mixed_kv_heads=after.kv_heads == KV_MIXED)
+            cause = (rule.detail if rule.outcome == "fails" else verdict.detail).split(": ")[0]
+            reasons.append(f"{cheaper.name} does not serve with {env.label()}: {cause} (measured: "
+                           f"{len(evidence_found.failing)} of {_count(evidence_found.rows)} fail)")
+        else:
+            reasons.append(f"{cheaper.name} is not proven with {env.label()}")
+    if not reasons:
+        return f"{layout.name}: serves with {env.label()} {layout.cost_note}; measured: {_count(found.rows)} pass"
+    return f"{layout.name}: {'; '.join(reasons)}; {layout.name} serves there (measured: {_count(found.rows)} pass)"
+
+
+def _fallback_when(layout: Layout, fails: list[str]) -> str:
+    """Where the next layout is needed: where `layout` is measured failing."""
+    if fails:
+        return (f"where {layout.name} cannot serve: vLLM {', '.join(fails)} (measured; check yours with "
+                "inspect --serving vllm==VERSION)")
+    vllm, _ = tested_releases()
+    caveat = f"; {layout.caveat}" if layout.caveat else ""
+    return (f"only where {layout.name} cannot serve: none measured among vLLM {', '.join(vllm)}{caveat} (check with "
+            "inspect --serving)")
+
+
+def recommend(spec: ModelSpec, *, fused: bool, env: ServingEnv | None, recognized: str | None = None
+              ) -> dict[str, Any]:
+    """The `recommendation` document of inspect (docs/CLI.md): `decide` for this checkpoint and environment.
 
     Args:
         spec: the checkpoint.
         fused: it stores fused self_attn.qkv_proj tensors.
-        env: the user's serving environment (inspect --serving / --serving-python), or None: vLLM 0.27 under
-            either transformers generation (what the mission serves).
-        kv_ratio: pad-global's KV-cache ratio with every layer in full (None for an assistant).
+        env: the user's serving environment (inspect --serving / --serving-python), or None (see decide).
         recognized: the layout of this tool's output the config matches, if any.
     """
     shape = shape_of(spec, fused=fused)
-    pad_global = {"layout": "pad-global", "kv_cache_ratio_all_layers": None if kv_ratio is None else round(kv_ratio, 3),
-                  "note": "costs KV cache and weights; convert target and assistant together"}
-    document: dict[str, Any] = {"layout": None, "no_conversion_needed": False, "no_conversion_needed_when": None,
-                                "requires": None, "why": "", "alternative": None, "proven": False,
-                                "environment": None, "shape": {"form": shape.form, "kv_heads": shape.kv_heads}}
-    converted = f" (converted with {recognized})" if recognized else ""
-    if env is not None:
-        return _recommend_for(env, shape, document, pad_global, converted)
-    old, new = (measured(shape, e)[0] for e in (VLLM_027_OLD, vllm_027_new()))
-    if old.outcome == new.outcome == "loads":
-        return {**document, "layout": NO_CONVERSION, "no_conversion_needed": True, "proven": True,
-                "why": f"serves as it is with vLLM 0.27 under transformers 5.14 and >=5.15 ({shape.form}){converted}"}
-    serves, fails = releases_where(Shape(FORM_DUAL_KEYS, shape.kv_heads))
-    return {**document, "layout": "per-layer", "proven": bool(serves),
-            "requires": f"vLLM {', '.join(serves) or '(none measured)'} under every transformers measured"
-                        + (f"; not vLLM {', '.join(fails)}: pad-global there" if fails else ""),
-            "no_conversion_needed_when": ("vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
-                                          if old.outcome == "loads" else None),
-            "why": _LAYOUT_WHY["per-layer"], "alternative": {**pad_global, "when": _pad_global_when(fails)}}
+    decision = decide(shape, env)
+    converted = f" (converted with {recognized})" if recognized and decision.layout == NO_CONVERSION else ""
+    alternative = None
+    if decision.alternative is not None:
+        layout = get_layout(decision.alternative.layout)
+        ratio = kv_costs(spec.attention, layout.output_attention(spec.attention))[0].ratio
+        alternative = {"layout": layout.name, "kv_cache_ratio_all_layers": None if ratio is None else round(ratio, 3),
+                       "note": layout.price_note, "when": decision.alternative.when}
+    environment = None
+    if decision.env is not None:
+        asked = decision.env
+        environment = {"vllm": asked.vllm, "transformers": asked.transformers, "python": asked.python,
+                       "tested": decision.tested, "proven_release": decision.proven_release,
+                       "outcome": decision.outcome.document(), "evidence": list(decision.evidence)}
+    return {"layout": decision.layout, "no_conversion_needed": decision.layout == NO_CONVERSION,
+            "no_conversion_needed_when": decision.no_conversion_needed_when, "requires": decision.requires,
+            "why": decision.why + converted, "alternative": alternative, "proven": decision.proven,
+            "basis": decision.basis, "environment": environment,
+            "shape": {"form": shape.form, "kv_heads": shape.kv_heads}}
 
 
-NO_CONVERSION = "none"
+def serving_notes(sources: list[tuple[str, Shape]], written: str) -> list[str]:
+    """What a user converting without --serving may not need (convert prints them as notes): a source that already
+    serves as it is, or a costlier layout written where the cheapest serves.
 
-
-def _recommend_for(env: ServingEnv, shape: Shape, document: dict[str, Any], pad_global: dict[str, Any],
-                   converted: str) -> dict[str, Any]:
-    asked = env
-    env = _proven_patch(env)
-    patch = f" (vLLM {asked.vllm} itself is not in the ledger; {env.vllm} is the proven release of its minor)" \
-        if env.vllm != asked.vllm else ""
-    now, found = measured(shape, env)
-    document = {**document, "environment": {
-        "vllm": asked.vllm, "transformers": asked.transformers, "python": asked.python, "tested": found.proven,
-        "proven_release": env.vllm, "outcome": now.document(),
-        "evidence": describe_rows(found.rows or found.nearest)}}
-    if now.outcome == "loads":
-        return {**document, "layout": NO_CONVERSION, "no_conversion_needed": True, "proven": True,
-                "why": f"serves as it is with {env.label()}{patch}: {now.detail}{converted}"}
-    options = (("per-layer", Shape(FORM_DUAL_KEYS, shape.kv_heads)),
-               ("pad-global", Shape(FORM_HOMOGENEOUS, KV_UNIFORM)))
-    for proven_only in (True, False):
-        for layout, after in options:
-            verdict, ev = measured(after, env) if proven_only else _across_transformers(after, env)
-            if verdict.outcome != "loads":
-                continue
-            as_it_is = "fails" if now.outcome == "fails" else "is not proven"
-            why = (f"with {env.label()}{patch} the checkpoint as it is {as_it_is}"
-                   + (f" ({now.error})" if now.error else "") + f": {now.detail}; "
-                   + _LAYOUT_WHY[layout] + f" ({verdict.detail})")
-            return {**document, "layout": layout, "why": why, "proven": proven_only,
-                    "alternative": None if layout == "pad-global" else {**pad_global, "when": _pad_global_when(
-                        releases_where(after)[1])}}
-    return {**document, "why": f"no layout of this tool is proven to serve with {env.label()}{patch}: {now.detail}"}
+    Args:
+        sources: (path, shape) of each checkpoint converted.
+        written: the layout written.
+    """
+    notes, cheapest = [], None
+    for path, shape in sources:
+        decision = decide(shape, None)
+        if decision.layout == NO_CONVERSION:
+            notes.append(f"{path} already serves as it is: {decision.why}")
+            continue
+        cheapest = cheapest or decision
+        if decision.no_conversion_needed_when:
+            notes.append(f"{path} already serves as it is where {decision.no_conversion_needed_when} "
+                         "(`gemma4-convert inspect SRC --serving vllm==VERSION` tells for your release)")
+    alternative = cheapest.alternative if cheapest else None
+    if alternative is not None and alternative.layout == written:
+        notes.append(f"--layout {cheapest.layout} serves {get_layout(cheapest.layout).cost_note} with "
+                     f"{cheapest.requires}; {written} is the fallback {alternative.when}")
+    return notes
 
 
 def _proven_patch(env: ServingEnv) -> ServingEnv:
@@ -325,84 +462,6 @@ def releases_where(shape: Shape) -> tuple[list[str], list[str]]:
             by_release.setdefault(row.vllm, []).append(row.verdict == PASS)
     ordered = sorted(by_release, key=version_key)
     return [v for v in ordered if all(by_release[v])], [v for v in ordered if not all(by_release[v])]
-
-
-_LAYOUT_WHY = {
-    "per-layer": "--layout per-layer is exact and free (same tensors, same KV cache; config keys only)",
-    "pad-global": "the zero-cost per-layer layout does not serve there; pad-global (homogeneous geometry) does",
-}
-
-
-def _pad_global_when(per_layer_fails: list[str]) -> str:
-    if per_layer_fails:
-        return (f"where per-layer cannot serve: vLLM {', '.join(per_layer_fails)} (measured; check yours with "
-                "inspect --serving vllm==VERSION)")
-    vllm, _ = tested_releases()
-    return (f"only where per-layer cannot serve: none measured among vLLM {', '.join(vllm)}; a newer transformers "
-            "could change the undocumented behaviour per-layer's dual keys rest on (check with inspect --serving)")
-
-
-@dataclass(frozen=True)
-class LayoutChoice:
-    """The layout `convert` writes when none is given, and the one line that says why."""
-
-    layout: str
-    why: str
-    serves_as_is: str | None = None  # the ledger says the source already serves in this environment: why
-
-
-LAYOUT_DEFAULT = "per-layer"
-
-
-def choose_layout(spec: ModelSpec, *, fused: bool, env: ServingEnv | None) -> LayoutChoice:
-    """What `convert` writes without --layout: the ledger's choice for `env`, else the zero-cost per-layer.
-
-    Args:
-        spec: the target's (or, converted alone, the assistant's) spec: the geometry the ledger matches.
-        fused: it stores fused self_attn.qkv_proj tensors.
-        env: the declared or read serving environment (--serving / --serving-python), or None.
-    """
-    shape = shape_of(spec, fused=fused)
-    if env is None:  # convert's serving notes say where the source already serves (recommend without env)
-        return LayoutChoice(LAYOUT_DEFAULT, "per-layer: the zero-cost default (same tensors and KV cache, config keys "
-                            "only); --serving vllm==X or --serving-python PY lets the compatibility ledger choose for "
-                            "your vLLM")
-    rec = recommend(spec, fused=fused, env=env, kv_ratio=None)
-    if rec["layout"] == NO_CONVERSION:
-        layout = next((name for name, after in _layout_shapes(shape) if measured(after, env)[0].outcome == "loads"),
-                      LAYOUT_DEFAULT)
-        as_is = _rows_for(shape, env)
-        return replace(_explain(layout, shape, env), serves_as_is=f"the source already serves as it is with "
-                       f"{env.label()} (measured: {_count(as_is.rows)} pass)")
-    if rec["layout"] is None:
-        return LayoutChoice(LAYOUT_DEFAULT, f"per-layer: the zero-cost default; no layout of this tool is proven with "
-                            f"{env.label()} (check the output there: make vllm-check)")
-    choice = _explain(rec["layout"], shape, env)
-    return choice if rec["proven"] else replace(
-        choice, why=f"{choice.why}; not measured with {env.label()} itself, with its release's other transformers")
-
-
-def _layout_shapes(shape: Shape) -> tuple[tuple[str, Shape], ...]:
-    """Each layout with the shape its output has, in the order of preference (zero cost first)."""
-    return (("per-layer", Shape(FORM_DUAL_KEYS, shape.kv_heads)), ("pad-global", Shape(FORM_HOMOGENEOUS, KV_UNIFORM)))
-
-
-def _explain(layout: str, shape: Shape, env: ServingEnv) -> LayoutChoice:
-    """"pad-global: vLLM 0.22.1 ... (measured: 6 rows)"; pad-global says why per-layer does not serve there."""
-    shapes = dict(_layout_shapes(shape))
-    found = _rows_for(shapes[layout], env)
-    if layout == "per-layer":
-        return LayoutChoice(layout, f"per-layer: serves with {env.label()} at zero cost, same tensors and KV cache "
-                            f"(measured: {_count(found.rows)} pass)")
-    per_layer, per_layer_found = measured(shapes["per-layer"], env)
-    if per_layer.outcome == "fails":
-        rule = predict(FORM_DUAL_KEYS, env, mixed_kv_heads=shape.kv_heads == KV_MIXED)
-        cause = (rule.detail if rule.outcome == "fails" else per_layer.detail).split(": ")[0]
-        reason = (f"per-layer does not serve with {env.label()}: {cause} (measured: "
-                  f"{len(per_layer_found.failing)} of {_count(per_layer_found.rows)} fail)")
-    else:
-        reason = f"per-layer is not proven with {env.label()}"
-    return LayoutChoice(layout, f"pad-global: {reason}; pad-global serves there (measured: {_count(found.rows)} pass)")
 
 
 def _rows_for(shape: Shape, env: ServingEnv) -> Evidence:

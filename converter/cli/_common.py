@@ -11,9 +11,27 @@ import click
 from ..advice.serving import ServingEnv, parse_serving, read_serving_env
 from ..cost import KvCost, human_bytes
 from ..errors import UsageError
+from ..layouts import layout_names
 from ..hub.download import LocalSource, Purpose, make_api, parse_repo_ref, resolve_source
 
 PATH = click.Path(path_type=Path, file_okay=True, dir_okay=True)
+
+
+class LayoutChoice(click.Choice):
+    """The registered layouts' names (plus `extra`), read each time click checks or shows them: the registry is the
+    one list, and a layout registered after this module was imported is a choice too."""
+
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+        self._extra = extra
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return (*self._extra, *layout_names())
+
+    @choices.setter
+    def choices(self, _: Any) -> None:  # click.Choice.__init__ assigns its own tuple
+        pass
 
 
 def hub_api(ctx: click.Context | None) -> Any:

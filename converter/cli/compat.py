@@ -6,15 +6,13 @@ from dataclasses import asdict
 
 import click
 
-from ..advice.compat import LEDGER_PATH, load_ledger, render_table
-from ._common import echo_json
-
-LAYOUT_CHOICES = ("original", "per-layer", "pad-global")
+from ..advice.compat import LEDGER_PATH, ORIGINAL, load_ledger, render_table
+from ._common import LayoutChoice, echo_json
 
 
 @click.command("compat")
 @click.option("--json", "as_json", is_flag=True, help="Print every ledger row as a JSON list (docs/COMPATIBILITY.md).")
-@click.option("--layout", type=click.Choice(LAYOUT_CHOICES), help="Only this layout's rows.")
+@click.option("--layout", type=LayoutChoice(extra=(ORIGINAL,)), help="Only this layout's rows.")
 def command(as_json: bool, layout: str | None) -> None:
     """Print the compatibility ledger: each layout x vLLM x transformers the stock loader or engine ran, and when.
 

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from ..advice.serving import ServingEnv, choose_layout, recommend
+from ..advice.serving import ServingEnv, decide, serving_notes, shape_of
 from ..cost import human_bytes
 from ..errors import UsageError
 from ..gemma4 import ROLE_TARGET
 from ..hub.download import LocalSource, Purpose, open_checkpoint, parse_repo_ref, published_assistant
-from ..layouts import get_layout, layout_names
+from ..layouts import get_layout
+from ..layouts.base import layout_offering
 from ..validate.attention import has_fused_qkv
 from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertRequest, ConvertResult, execute, plan_conversion,
                         serve_command)
 from ..plan import parse_size
 from ..write.lock import output_lock
 from ..write.writer import LINK_MEANING, LINK_MODES
-from ._common import PATH, hub_api, kv_cost_lines, resolve_cli_source, serving_env, serving_options
+from ._common import PATH, LayoutChoice, hub_api, kv_cost_lines, resolve_cli_source, serving_env, serving_options
+
+
+FLAT_KEYS_ONLY = ("keys", "flat")  # the layout option --flat-keys-only sets
 
 
 def _size(ctx, param, value):
@@ -39,7 +42,7 @@ def _size(ctx, param, value):
               "(written to OUT/assistant). A Hub target without it gets OWNER/NAME-assistant.")
 @click.option("--target-only", is_flag=True, help="Convert a Hub target alone: do not look for its assistant.")
 @click.option("--out", "out", type=PATH, required=True, help="Output directory (must not exist unless --force).")
-@click.option("--layout", type=click.Choice(layout_names()), default=None,
+@click.option("--layout", type=LayoutChoice(), default=None,
               help="per-layer: tensors and KV cache unchanged, config keys only (any transformers 5.x). "
                    "pad-global: homogeneous geometry by exact padding (costs KV cache and weights). "
                    "Default: the compatibility ledger's choice for --serving / --serving-python, else per-layer.")
@@ -76,8 +79,9 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
       gemma4-convert convert google/gemma-4-31B-it --out DST
       gemma4-convert convert --target T --assistant A --out DST --serving vllm==0.22.1
     """
-    if flat_keys_only and layout not in (None, "per-layer"):
-        raise UsageError("--flat-keys-only applies to --layout per-layer only")
+    flat_layout = layout_offering(*FLAT_KEYS_ONLY)
+    if flat_keys_only and layout not in (None, flat_layout):
+        raise UsageError(f"--flat-keys-only applies to --layout {flat_layout} only")
     if target_only and assistant:
         raise UsageError("give --assistant or --target-only, not both")
     env = serving_env(serving_python, serving_spec)
@@ -85,8 +89,8 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
     sources = _resolve(ctx, texts, purpose="headers")
     if not target_only:
         texts, sources = _with_published_assistant(ctx, texts, sources)
-    layout = _decide_layout(sources, layout="per-layer" if flat_keys_only and layout is None else layout, env=env)
-    options = dict(out=out, layout=layout, layout_options={"keys": "flat"} if flat_keys_only else {}, force=force,
+    layout = _decide_layout(sources, layout=flat_layout if flat_keys_only and layout is None else layout, env=env)
+    options = dict(out=out, layout=layout, layout_options=dict([FLAT_KEYS_ONLY]) if flat_keys_only else {}, force=force,
                    max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp)
     plan = plan_conversion(_request(sources, **options))
     _print_plan(plan, dry_run=dry_run, env=env)
@@ -130,20 +134,20 @@ def _with_published_assistant(ctx: click.Context, texts: dict[str, str], sources
 
 
 def _decide_layout(sources: dict[str, LocalSource], *, layout: str | None, env: ServingEnv | None) -> str:
-    """--layout when given, else the ledger's choice for the serving environment (one line says which and why);
-    with both, a note where the ledger would choose otherwise."""
+    """--layout when given, else advice's decision for the serving environment (one line says which and why);
+    with both, a note where the decision would be another layout."""
     if layout is not None and env is None:
         return layout
     role = next(r for r in ("target", "single", "assistant") if r in sources)
     checkpoint = open_checkpoint(sources[role])
-    choice = choose_layout(checkpoint.spec, fused=has_fused_qkv(checkpoint), env=env)
+    decision = decide(shape_of(checkpoint.spec, fused=has_fused_qkv(checkpoint)), env)
     if layout is None:
-        click.echo(f"chosen: --layout {choice.why}")
-    elif env is not None and choice.layout != layout:
-        click.echo(f"note: for {env.label()} the ledger chooses {choice.why}")
-    if choice.serves_as_is:
-        click.echo(f"note: {choice.serves_as_is}; converting anyway")
-    return layout or choice.layout
+        click.echo(f"chosen: --layout {decision.writes_why}")
+    elif env is not None and decision.writes != layout:
+        click.echo(f"note: for {env.label()} the ledger chooses {decision.writes_why}")
+    if decision.serves_as_is:
+        click.echo(f"note: {decision.serves_as_is}; converting anyway")
+    return layout or decision.writes
 
 
 def _made_summary(result: ConvertResult) -> str:
@@ -187,36 +191,21 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool, env: ServingEnv | None) 
             for shard in item.plan.shards:
                 click.echo(f"    {shard.file_name}: {len(shard.tensors)} tensors, {human_bytes(shard.nbytes)}")
     if plan.item("target") is not None:
-        padded = plan.request.layout == "pad-global"
-        costs = plan.kv_costs() if padded else tuple(replace(c, after=c.before) for c in plan.kv_costs())
+        costs = plan.kv_costs()
+        free = all(c.after == c.before for c in costs) and all(
+            i.plan.total_size == i.plan.source_bytes for i in plan.items)
         click.echo(f"  cost of {layout.name} for serving:"
-                   + ("" if padded else " none - KV cache and weights unchanged (zero cost)"))
+                   + (" none - KV cache and weights unchanged (zero cost)" if free else ""))
         for line in kv_cost_lines(costs):
             click.echo("  " + line)
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
-    for note in serving_notes(plan) if env is None else ():  # with env, _decide_layout said it for that env
-        click.echo(f"note: {note}")
-
-
-def serving_notes(plan: ConversionPlan) -> list[str]:
-    """What the user may not need: a source that already serves as it is, or pad-global where per-layer is free."""
-    notes = []
-    per_layer = None
-    for item in plan.items:
-        fused = any(t.action.startswith("split") for t in item.plan.tensors)
-        rec = recommend(item.source.spec, fused=fused, env=None, kv_ratio=None)
-        if rec["no_conversion_needed"]:
-            notes.append(f"{item.source.path} already serves as it is: {rec['why']}")
-        else:
-            per_layer = per_layer or rec
-            if rec["no_conversion_needed_when"]:
-                notes.append(f"{item.source.path} already serves as it is where {rec['no_conversion_needed_when']} "
-                             "(`gemma4-convert inspect SRC --serving vllm==VERSION` tells for your release)")
-    if plan.request.layout == "pad-global" and per_layer is not None:
-        notes.append(f"--layout per-layer serves at zero cost (same tensors, same KV cache) with "
-                     f"{per_layer['requires']}; pad-global is the fallback {per_layer['alternative']['when']}")
-    return notes
+    if env is None:  # with env, _decide_layout said it for that env
+        sources = [(str(i.source.path), shape_of(i.source.spec, fused=any(t.action.startswith("split")
+                                                                         for t in i.plan.tensors)))
+                   for i in plan.items]
+        for note in serving_notes(sources, plan.request.layout):
+            click.echo(f"note: {note}")
 
 
 __all__ = ["command", "UsageError"]

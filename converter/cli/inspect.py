@@ -7,11 +7,12 @@ from typing import Any
 
 import click
 
-from ..advice.report import inspect_checkpoint, summarize_layers
-from ..advice.serving import NO_CONVERSION
+from ..advice.report import inspect_checkpoint, layout_key, summarize_layers
+from ..advice.serving import NO_CONVERSION, PREDICTED
 from ..cost import KvCost, human_bytes
 from ..errors import InputError
 from ..hub.download import LocalSource, open_checkpoint
+from ..layouts import layouts_in_preference
 from ._common import SOURCE_HEADERS, echo_json, kv_cost_lines, serving_env, serving_options
 
 
@@ -93,18 +94,36 @@ def render(report: dict[str, Any]) -> None:
     if report["stock_vllm"]["silent_truncation_risk"]:
         click.echo(f"    risk: {report['stock_vllm']['silent_truncation_risk']}")
     render_recommendation(report["recommendation"])
-    weights = report["weight_bytes"]
-    padded = weights["pad_global"]
-    click.echo(f"  weights: {human_bytes(weights['current'])} as is and after per-layer (+0 B), after pad-global "
-               + ("n/a (pad-global refuses this checkpoint)" if padded is None else
-                  f"{human_bytes(padded)} ({(padded - weights['current']) / max(weights['current'], 1):+.1%})"))
-    costs = tuple(KvCost(before=c["current"], after=c["pad_global"], context=c["context"])
-                  for c in report["kv_cache_bytes_per_token"])
-    for line in kv_cost_lines(costs):
-        # "X -> Y (xR)": the source and per-layer (zero cost) hold X, pad-global Y
-        click.echo(line.replace(" -> ", " as is and after per-layer (x1.00), after pad-global "))
+    render_costs(report)
     if report["tensor_parallel"]:
         render_tensor_parallel(report["tensor_parallel"])
+
+
+def _free_and_costly(changed) -> tuple[list[str], list[Any]]:
+    """(names of the layouts `changed(layout)` says cost nothing, the layouts that cost), cheapest first."""
+    layouts = layouts_in_preference()
+    costly = [layout for layout in layouts if changed(layout)]
+    return [layout.name for layout in layouts if layout not in costly], costly
+
+
+def render_costs(report: dict[str, Any]) -> None:
+    weights, kv = report["weight_bytes"], report["kv_cache_bytes_per_token"]
+    free, costly = _free_and_costly(lambda layout: weights[layout_key(layout)] != weights["current"])
+    line = f"  weights: {human_bytes(weights['current'])} as is" + (f" and after {', '.join(free)} (+0 B)" if free
+                                                                     else "")
+    for layout in costly:
+        grown, current = weights[layout_key(layout)], weights["current"]
+        line += f", after {layout.name} " + (f"n/a ({layout.name} refuses this checkpoint)" if grown is None else
+                                            f"{human_bytes(grown)} ({(grown - current) / max(current, 1):+.1%})")
+    click.echo(line)
+    free, costly = _free_and_costly(lambda layout: any(c[layout_key(layout)] != c["current"] for c in kv))
+    if not costly:  # a geometry no layout changes: the costliest still says so (x1.00)
+        free, costly = free[:-1], layouts_in_preference()[-1:]
+    as_is = " as is" + (f" and after {', '.join(free)} (x1.00)" if free else "")
+    for layout in costly:
+        costs = tuple(KvCost(before=c["current"], after=c[layout_key(layout)], context=c["context"]) for c in kv)
+        for cost_line in kv_cost_lines(costs):  # "X -> Y (xR)": the source and the free layouts hold X
+            click.echo(cost_line.replace(" -> ", f"{as_is}, after {layout.name} "))
 
 
 def render_tensor_parallel(tp: dict[str, Any]) -> None:
@@ -112,12 +131,17 @@ def render_tensor_parallel(tp: dict[str, Any]) -> None:
         return ", ".join(f"{name} {g['kv_heads_per_rank']} KV head(s) x {g['head_dim']}"
                          + (f" (each replicated on {g['kv_head_replicas']} ranks)" if g["kv_head_replicas"] > 1 else "")
                          for name, g in geometry.items())
-    click.echo(f"  tensor parallel {tp['tp']}, per rank: as is and after per-layer: {side(tp['as_is'])}; after "
-               f"pad-global: {side(tp['pad_global'])}"
-               + (f"; pad-global KV cache per rank x{tp['pad_global_kv_ratio']:.2f}"
-                  if tp["pad_global_kv_ratio"] else ""))
-    for problem in tp["pad_global_problems"]:
-        click.echo(f"    pad-global at this size: {problem}")
+    free, costly = _free_and_costly(lambda layout: f"{layout_key(layout)}_kv_ratio" in tp)
+    line = f"  tensor parallel {tp['tp']}, per rank: as is" + (f" and after {', '.join(free)}" if free else "") + \
+        f": {side(tp['as_is'])}"
+    for layout in costly:
+        key = layout_key(layout)
+        line += f"; after {layout.name}: {side(tp[key])}" + (
+            f"; {layout.name} KV cache per rank x{tp[f'{key}_kv_ratio']:.2f}" if tp[f"{key}_kv_ratio"] else "")
+    click.echo(line)
+    for layout in costly:
+        for problem in tp[f"{layout_key(layout)}_problems"]:
+            click.echo(f"    {layout.name} at this size: {problem}")
 
 
 def render_recommendation(rec: dict[str, Any]) -> None:
@@ -133,10 +157,11 @@ def render_recommendation(rec: dict[str, Any]) -> None:
         verdict = "no conversion needed" if rec["no_conversion_needed"] else "none proven"
         click.echo(f"  recommendation: {verdict} - {rec['why']}")
         return
-    proven = "" if rec["proven"] else " (not proven in exactly this environment)"
+    proven = "" if rec["proven"] else " (predicted from the rules, not measured)" if rec["basis"] == PREDICTED else \
+        " (not proven in exactly this environment)"
     click.echo(f"  recommendation: --layout {rec['layout']}{proven} - {rec['why']}")
-    if rec.get("pad_global_at_tp"):
-        at = rec["pad_global_at_tp"]
+    at = next((rec[key] for key in rec if key.endswith("_at_tp")), None)
+    if at:
         click.echo(f"    at TP {at['tp']} its KV cache costs x{at['kv_cache_ratio_per_rank']:g} per rank")
     if rec["no_conversion_needed_when"]:
         click.echo(f"    no conversion is needed where {rec['no_conversion_needed_when']}: it serves as it is there")

@@ -18,42 +18,15 @@ import yaml
 from .. import __version__
 from ..advice.compat import consumer_table, load_ledger, summarize
 from ..cost import human_bytes, kv_costs
-from ..errors import InputError, UnsupportedLayoutError, UsageError
+from ..errors import InputError, UsageError
 from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
-from ..layouts import get_layout
+from ..layouts import Layout, default_layout
 from ..layouts.base import layout_from_manifest
 from ..pairing import serve_line
 
 BASE_MODEL_RELATION = "quantized"
 # Keys of the source card's front matter that still hold for the converted weights.
 CARRIED_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag")
-FLAT_KEYS_ONLY = "per-layer --flat-keys-only"  # LAYOUT_WHY key of per-layer written with {"keys": "flat"}
-LAYOUT_WHY = {
-    "per-layer": (
-        "Zero cost: every tensor is a byte-identical copy of the source, the KV cache is unchanged. Stock vLLM 0.27 "
-        "reads only the flat `head_dim`, `global_head_dim`, `num_key_value_heads` and `num_global_key_value_heads` "
-        "keys; transformers 5.15 and later pop the global ones into a `per_layer_config` and raise "
-        "`AmbiguousGlobalPerLayerAttributeError` when vLLM reads `head_dim`. This config carries the flat keys plus "
-        "`allow_global_per_layer_attribute_access: true` and an `attribute_map` aliasing `global_head_dim` / "
-        "`num_global_key_value_heads` to `gemma4_global_head_dim` / `gemma4_num_global_key_value_heads`: vLLM reads "
-        "the right geometry under transformers 5.14 and 5.15+ (no remote code), and transformers still builds its "
-        "own per-layer config, so its Gemma 4 classes keep the right shapes."),
-    FLAT_KEYS_ONLY: (
-        "Stock vLLM 0.27 reads only the flat `head_dim`, `global_head_dim`, `num_key_value_heads` and "
-        "`num_global_key_value_heads` keys and knows nothing of `per_layer_config`. This checkpoint's config carries "
-        "exactly those keys and no `per_layer_config`; every tensor is a byte-identical copy of the source. It needs "
-        "**transformers<5.15** where vLLM runs: 5.15 and later rebuild `per_layer_config` from the flat keys and "
-        "raise `AmbiguousGlobalPerLayerAttributeError` on the target config before any weight is read."),
-    "pad-global": (
-        "Every layer has the global geometry (`head_dim` = `global_head_dim`, the same KV-head count everywhere), so "
-        "the config has no per-layer keys and vLLM 0.27 loads it under any transformers version. The sliding layers' "
-        "heads are padded exactly (interleaved per half, rows duplicated, norm weights and `o_proj` columns zero on "
-        "the copies: same outputs, nothing rescaled) and the global k_eq_v KV heads are replicated. The price is "
-        "KV-cache memory (below) and larger weights. The target and its assistant **must both** be pad-global: "
-        "mixing layouts computes garbage."),
-}
-
-
 def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] | None, repo_id: str,
                 target_repo: str | None, assistant_repo: str | None, base_model: str | None,
                 source_front_matter: Mapping[str, Any] | None = None, source_card: bool = False,
@@ -73,12 +46,13 @@ def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] 
     Returns:
         The card text: YAML front matter, then Markdown.
     """
-    layout, role = str(manifest.get("layout")), str(manifest.get("role"))
-    variant = _variant(manifest)
+    role = str(manifest.get("role"))
+    layout = _layout(manifest)
+    variant = layout.variant if layout else str(manifest.get("layout"))
     sections = [
         f"# {repo_id.split('/')[-1]}\n\n{_summary(manifest, role, base_model)}",
-        f"## Layout: {variant}\n\n{_layout_text(layout, variant)}",
-        _serve_section(role, layout, variant, repo_id, target_repo, assistant_repo,
+        f"## Layout: {variant}\n\n{_layout_text(layout)}",
+        _serve_section(role, layout, str(manifest.get("layout")), target_repo, assistant_repo,
                        manifest.get("tensor_parallel_size")),
         _proof_section(variant),
         f"## KV-cache cost\n\n{_kv_text(manifest, role, layout)}",
@@ -123,48 +97,40 @@ def _summary(manifest: Mapping[str, Any], role: str, base_model: str | None) -> 
             f"{human_bytes(manifest.get('output', {}).get('total_size', 0))} of weights.")
 
 
-def _variant(manifest: Mapping[str, Any]) -> str:
-    """The layout as the card names it: per-layer written with bare flat keys gets its own text."""
+def _layout(manifest: Mapping[str, Any]) -> Layout | None:
+    """The layout conversion.json records, with its options; None for one this version does not know (the card then
+    names it as recorded and loses only the layout's own texts)."""
     try:
-        layout = layout_from_manifest(manifest)
-    except UsageError:  # a layout (or option) this version does not know: its recorded name
-        return str(manifest.get("layout"))
-    return FLAT_KEYS_ONLY if layout.name == "per-layer" and layout.options.get("keys") == "flat" else layout.name
+        return layout_from_manifest(manifest)
+    except UsageError:
+        return None
 
 
-def _layout_text(layout: str, variant: str) -> str:
-    try:
-        description = get_layout(layout).description
-    except UnsupportedLayoutError:  # a layout this version does not know only loses the one-line description
-        description = ""
-    why = LAYOUT_WHY.get(variant, "")
-    return "\n\n".join(part for part in (f"*{description}*" if description else "", why) if part)
+def _layout_text(layout: Layout | None) -> str:
+    if layout is None:
+        return ""
+    return "\n\n".join(part for part in (f"*{layout.description}*" if layout.description else "", layout.card_text)
+                       if part)
 
 
-def _serve_section(role: str, layout: str, variant: str, repo_id: str, target_repo: str | None,
+def _serve_section(role: str, layout: Layout | None, recorded: str, target_repo: str | None,
                    assistant_repo: str | None, tp: int | None = None) -> str:
     other_role = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET
     other = assistant_repo if role == ROLE_TARGET else target_repo
     partner = (f"Its {other_role} is [{other}](https://huggingface.co/{other}), converted the same way."
-               if other else f"Convert and upload its {other_role} with the same `--layout {layout}`.")
+               if other else f"Convert and upload its {other_role} with the same `--layout {recorded}`.")
     lines = [f"## Serve with vLLM\n\nThis repo is the **{role}**. {partner}\n",
-             "```bash", serve_line(target=target_repo, assistant=assistant_repo, layout=layout, tp=tp), "```"]
-    if variant == FLAT_KEYS_ONLY:
-        lines.append("\nRun it with `pip install 'transformers<5.15'` in vLLM's environment.")
-    elif layout == "per-layer":
-        lines.append("\nAny transformers 5.x in vLLM's environment (no `--trust-remote-code`); see *Proven with stock "
-                     "vLLM* below for the releases it was measured on.")
-    if layout == "pad-global":
-        lines.append("\n`--attention-backend TRITON_ATTN` keeps the kernel path the original heterogeneous "
-                     "geometry gets (vLLM picks FA4/TRITON_ATTN only when head sizes differ).")
+             "```bash", serve_line(target=target_repo, assistant=assistant_repo, layout=recorded, tp=tp), "```"]
+    if layout is not None and layout.serve_note:
+        lines.append(f"\n{layout.serve_note}")
     lines.append(f"\n{RESAVE_NOTE}")
     return "\n".join(lines)
 
 
 RESAVE_NOTE = ("Use and re-upload `config.json` as it is: re-saving it with transformers >= 5.15 (`save_pretrained`, "
                "as fine-tuning and quantization scripts do) drops the flat keys vLLM <= 0.27, MLX and SGLang 0.5.1x read. "
-               "`gemma4-convert inspect` names what changed; `gemma4-convert convert DIR --layout per-layer` mends it "
-               "(config only, seconds).")
+               "`gemma4-convert inspect` names what changed; "
+               f"`gemma4-convert convert DIR --layout {default_layout().name}` mends it (config only, seconds).")
 
 
 def _proof_section(variant: str) -> str:
@@ -193,23 +159,23 @@ def _consumer_lines(variant: str) -> list[str]:
             for c in consumer_table(load_ledger()) if c.get(variant, {}).get("rows")]
 
 
-def _kv_text(manifest: Mapping[str, Any], role: str, layout: str) -> str:
+def _kv_text(manifest: Mapping[str, Any], role: str, layout: Layout | None) -> str:
     if role != ROLE_TARGET:
         return "None of its own: every assistant layer reads the target's KV cache."
     config = manifest.get("source", {}).get("config") or {}
     try:
-        costs = kv_costs(read_spec(config, source="conversion.json source.config").attention)
+        attention = read_spec(config, source="conversion.json source.config").attention
     except InputError:  # a manifest without a readable source config only loses this section
         return "Not recorded (conversion.json has no readable source config)."
+    if layout is None:
+        return "Not known to this version of gemma4-convert (its layout is not one it has)."
     rows = ["| KV cache per token (bf16) | source | this checkpoint | ratio |", "|---|---:|---:|---:|"]
-    for cost in costs:
+    for cost in kv_costs(attention, layout.output_attention(attention)):
         label = "every layer holds the full context" if cost.context is None else \
             f"{cost.context // 1024}k context, sliding layers keep their window"
-        after = cost.after if layout == "pad-global" else cost.before
-        rows.append(f"| {label} | {human_bytes(cost.before)} | {human_bytes(after)} | "
-                    f"x{after / cost.before if cost.before else 1:.2f} |")
-    note = ("pad-global widens the sliding layers' cache" if layout == "pad-global" else
-            "zero cost: the layout changes no geometry, and every weight is a byte-identical copy of the source")
+        rows.append(f"| {label} | {human_bytes(cost.before)} | {human_bytes(cost.after)} | "
+                    f"x{cost.after / cost.before if cost.before else 1:.2f} |")
+    note = layout.kv_note
     return "\n".join(rows) + f"\n\n({note}.)"
 
 

@@ -6,7 +6,7 @@ config's geometry keys read. Everything else (discovery, validation, sharding, w
 
 from __future__ import annotations
 
-from .base import Layout, get_layout, layout_names, register_layout
+from .base import Layout, default_layout, get_layout, layout_names, layouts_in_preference, register_layout
 from . import pad_global, per_layer  # noqa: F401  (explicit imports register the layouts)
 
-__all__ = ["Layout", "get_layout", "layout_names", "register_layout"]
+__all__ = ["Layout", "default_layout", "get_layout", "layout_names", "layouts_in_preference", "register_layout"]

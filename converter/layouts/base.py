@@ -32,6 +32,23 @@ def layout_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def layouts_in_preference() -> list["Layout"]:
+    """Every registered layout with its default options, cheapest first: the order advice tries them in."""
+    return [cls() for cls in sorted(_REGISTRY.values(), key=lambda cls: (cls.preference, cls.name))]
+
+
+def layout_offering(option: str, value: Any) -> str:
+    """The name of the layout that takes `option` = `value` (a CLI flag that sets a layout option, e.g.
+    --flat-keys-only, names no layout itself)."""
+    (name,) = [name for name, cls in _REGISTRY.items() if value in cls.option_choices.get(option, ((), ()))[1]]
+    return name
+
+
+def default_layout() -> "Layout":
+    """What `convert` writes when nothing decides otherwise: the cheapest layout."""
+    return layouts_in_preference()[0]
+
+
 def get_layout(name: str, options: Mapping[str, Any] | None = None) -> "Layout":
     """The registered layout instance with `options` over its defaults; UnsupportedLayoutError lists the known names.
 
@@ -66,6 +83,19 @@ class Layout:
     # the options of outputs written before the layout had any (their conversion.json records none)
     recorded_before_options: ClassVar[Mapping[str, Any]] = {}
 
+    # What the layout says of itself wherever the tool speaks of it (advice, cards, the serve line, pairing, costs):
+    # code outside layouts/ asks the layout and never spells its name.
+    preference: ClassVar[int] = 100  # advice tries layouts lowest first (cheapest first); the lowest is the default
+    cost_note: ClassVar[str] = ""  # what it costs, in a few words (advice's "at zero cost, same tensors ...")
+    advice_why: ClassVar[str] = ""  # why advice picks it where it serves
+    price_note: ClassVar[str] = ""  # what advice says it costs where it names it as the alternative
+    caveat: ClassVar[str] = ""  # what could stop it serving where no row says it fails yet
+    card_text: ClassVar[str] = ""  # the card's paragraph on the layout
+    kv_note: ClassVar[str] = ""  # under the card's KV-cache table
+    serve_note: ClassVar[str] = ""  # under the card's `vllm serve` line
+    serve_flags: ClassVar[str] = ""  # appended to `vllm serve`
+    pair_must_match: ClassVar[bool] = False  # target and assistant must both carry it: one side alone is garbage
+
     def __init__(self, **options: Any) -> None:
         for key, value in options.items():
             if key not in self.option_choices:
@@ -90,6 +120,21 @@ class Layout:
     def matches(self, spec: ModelSpec) -> bool:
         """True when a checkpoint's config already has this layout's geometry."""
         raise NotImplementedError
+
+    def output_attention(self, attention: AttentionConfig) -> AttentionConfig:
+        """The geometry of this layout's output: what vLLM builds and caches (KV cost, TP divisions)."""
+        return attention
+
+    def ledger_shape(self, kv_heads: str) -> tuple[str, str]:
+        """(config form, KV-head pattern) of this layout's output for a source with KV-head pattern `kv_heads`:
+        what the ledger matches its rows by (advice/evidence.py)."""
+        raise NotImplementedError
+
+    @property
+    def variant(self) -> str:
+        """The layout with the options that change what it writes, as the ledger names its rows and the card its
+        text (LedgerRow.variant)."""
+        return self.name
 
     # -- shared ------------------------------------------------------------------------------------
     def admit(self, checkpoint: Checkpoint) -> None:

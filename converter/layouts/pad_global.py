@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..cost import homogeneous
 from ..errors import InputError
-from ..gemma4 import DIALECT_LEGACY, AttentionConfig, LayerGeometry, ModelSpec
+from ..gemma4 import DIALECT_LEGACY, FORM_HOMOGENEOUS, KV_UNIFORM, AttentionConfig, LayerGeometry, ModelSpec
 from ..plan import TensorPlan
 from ..quantization import WeightScheme, weight_scheme
 from ..validate.attention import AttentionTensor
@@ -38,6 +39,28 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 class PadGlobalLayout(Layout):
     description = ("homogeneous geometry (head_dim = global_head_dim, uniform KV heads) by exact padding; "
                    "serves with any transformers version; convert target and assistant together")
+    preference = 10
+    advice_why = "the zero-cost per-layer layout does not serve there; pad-global (homogeneous geometry) does"
+    card_text = (
+        "Every layer has the global geometry (`head_dim` = `global_head_dim`, the same KV-head count everywhere), so "
+        "the config has no per-layer keys and vLLM 0.27 loads it under any transformers version. The sliding layers' "
+        "heads are padded exactly (interleaved per half, rows duplicated, norm weights and `o_proj` columns zero on "
+        "the copies: same outputs, nothing rescaled) and the global k_eq_v KV heads are replicated. The price is "
+        "KV-cache memory (below) and larger weights. The target and its assistant **must both** be pad-global: "
+        "mixing layouts computes garbage.")
+    kv_note = "pad-global widens the sliding layers' cache"
+    price_note = "costs KV cache and weights; convert target and assistant together"
+    # a GPU picks FA4 / TRITON_ATTN only where head sizes differ (docs/DESIGN.md section 4)
+    serve_flags = " --attention-backend TRITON_ATTN"
+    serve_note = ("`--attention-backend TRITON_ATTN` keeps the kernel path the original heterogeneous geometry gets "
+                  "(vLLM picks FA4/TRITON_ATTN only when head sizes differ).")
+    pair_must_match = True
+
+    def output_attention(self, attention: AttentionConfig) -> AttentionConfig:
+        return homogeneous(attention)
+
+    def ledger_shape(self, kv_heads: str) -> tuple[str, str]:
+        return FORM_HOMOGENEOUS, KV_UNIFORM
 
     def check(self, spec: ModelSpec, *, source: str) -> list[str]:
         a = spec.attention

