@@ -105,3 +105,42 @@ def test_serving_and_serving_python_are_exclusive(originals, run_cli, tmp_path):
 
 def test_every_release_source_is_a_loader_case():
     assert set(RELEASE_SOURCES) <= set(SOURCES)
+
+
+HUB_CASES = {"mixed": "31b-mm-2shards", "uniform": "e2b"}  # the Hub columns: 31B / 26B-A4B geometry, E2B geometry
+
+
+def hub_column_oracle(vllm: str, kv_heads: str) -> str | None:
+    """From the raw rows, independently of advice/: among the loader cases whose original has a Hub checkpoint's
+    config (flat keys) and this KV-head pattern, the first variant whose every row on `vllm` passed."""
+    rows = [r for r in load_ledger() if r.check == CHECK_LOADER and r.vllm == vllm and r.tp == 1
+            and r.consumer == "vllm"]
+    cases = {r.case for r in rows if r.layout == "original" and r.kv_heads == kv_heads and r.config_form == "flat-keys"}
+    for variant in ("original", "per-layer", "pad-global"):
+        got = [r for r in rows if r.case in cases and f"{r.layout} {r.options}".strip() == variant]
+        if got and all(r.verdict == PASS for r in got):
+            return NO_CONVERSION if variant == "original" else variant
+    return None
+
+
+def test_the_tables_hub_columns_are_what_convert_chooses(originals, run_cli, tmp_path):
+    """For every release of the generated table, its Hub 31B / E2B columns equal the raw rows' answer and what
+    `convert --serving vllm==X --dry-run` chooses for a 31B-geometry and an E2B-geometry checkpoint (one decision)."""
+    from converter.advice.compat import release_table
+
+    lines = release_table(load_ledger())
+    assert {line["vllm"] for line in lines} >= {r.vllm for r in RELEASES}
+    for line in lines:
+        for kv_heads, case in HUB_CASES.items():
+            column = line["advice"][kv_heads]
+            assert column == hub_column_oracle(line["vllm"], kv_heads), (line["vllm"], kv_heads, column)
+            source = originals[case]
+            result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
+                             "--out", tmp_path / "out", "--serving", f"vllm=={line['vllm']}", "--dry-run")
+            assert result.code == 0, result.err
+            serves = f"the source already serves as it is with vLLM {line['vllm']}" in result.out
+            chosen = [c for c in result.out.splitlines() if c.startswith("chosen: --layout ")]
+            assert len(chosen) == 1, result.out
+            assert serves == (column == NO_CONVERSION), (line["vllm"], case, result.out)
+            if not serves:
+                assert chosen[0].startswith(f"chosen: --layout {column}: "), (line["vllm"], case, chosen)
