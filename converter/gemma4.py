@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Mapping
 
 from .errors import InputError
@@ -25,8 +26,26 @@ TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text", "gemma4_uni
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-ROLE_TARGET = "target"
-ROLE_ASSISTANT = "assistant"
+
+
+class Role(str, Enum):
+    """Where a checkpoint sits in a conversion or an upload. A plain string wherever it is written (JSON, paths,
+    messages), so conversion.json and every output stay byte-identical to the strings they were."""
+
+    TARGET = "target"
+    ASSISTANT = "assistant"
+    SINGLE = "single"  # one checkpoint alone (convert SRC, upload DST REPO): straight into OUT, its kind its spec's
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @property
+    def subdir(self) -> str:
+        """Its folder in a converted pair's OUT ("" for one checkpoint alone: OUT itself)."""
+        return "" if self is Role.SINGLE else self.value
+
+
+ROLE_TARGET, ROLE_ASSISTANT = Role.TARGET, Role.ASSISTANT
 
 DIALECT_LEGACY = "legacy"
 DIALECT_PER_LAYER = "per_layer_config"

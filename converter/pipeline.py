@@ -1,9 +1,12 @@
-"""The only module that calls every stage: read -> plan -> (transform while) write -> manifest -> rename."""
+"""The only module that calls every stage: sources (read, hub) -> decision (advice) -> plan -> (transform while)
+write -> manifest -> rename. `convert` is the verb's one library call; `plan_conversion` and `execute` are its two
+halves for callers that hold local paths already (tests, benchmarks)."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import importlib
+import math
 import os
 import shutil
 import threading
@@ -16,12 +19,17 @@ from typing import Any, Callable, Mapping
 from . import __version__
 from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UnsupportedLayoutError, UsageError
-from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET
-from .layouts import Layout, get_layout
+from .advice.serving import Decision, ServingEnv, decide, serving_notes, shape_of
+from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role
+from .hub.download import LocalSource, fetch_weights, open_checkpoint, parse_repo_ref, published_assistant, \
+    resolve_source
+from .quantization import weights_per_element
+from .layouts import Layout, default_layout, get_layout
 from .layouts.base import layout_from_manifest
 from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, ShardPlan, TensorPlan, index_document
+from .validate.attention import has_fused_qkv
 from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
 from .read.sequential import PendingSha256, SourceFile, hashing_ahead, known_sha256
 from .write.lock import output_lock
@@ -47,8 +55,8 @@ class ConvertRequest:
     link: str = "auto"  # how unchanged files get into the output: write.writer.LINK_MODES
     hashed: bool = True  # sha256 of every source and output file read or written (--no-hash: null in the manifest)
     tp: int | None = None  # the tensor-parallel size the user serves with (--tp): checked, named in the serve line
-    # role ("single", "target", "assistant") -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
-    origins: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
+    # role -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
+    origins: Mapping[Role, Mapping[str, str]] = field(default_factory=dict, hash=False)
     # source path -> its Checkpoint when already read another way (Hub headers over HTTP, hub.open_checkpoint);
     # every other source is read with read_checkpoint
     opened: Mapping[Path, Checkpoint] = field(default_factory=dict, hash=False)
@@ -58,7 +66,19 @@ class ConvertRequest:
 class PlannedCheckpoint:
     source: Checkpoint
     plan: CheckpointPlan
-    subdir: str  # "" when converting one checkpoint straight into the output dir
+    role: Role  # Role.SINGLE: one checkpoint converted straight into the output dir
+
+    @property
+    def subdir(self) -> str:
+        return self.role.subdir
+
+    @property
+    def parameters_added(self) -> int:
+        """Model weights the layout adds: elements, a packed code word counted as the codes it holds, so fp8, packed
+        int4 and mixed-dtype checkpoints count right (bytes / an element size would not)."""
+        config = self.source.spec.quantization
+        return sum((math.prod(t.shape) - math.prod(t.source.shape)) * weights_per_element(config, t.name, t.dtype)
+                   for t in self.plan.tensors)
 
 
 @dataclass(frozen=True)
@@ -117,7 +137,7 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     warnings: list[str] = []
     for role, checkpoint in checkpoints.items():
         _refuse_reconversion(checkpoint)
-        if role != "single" and checkpoint.spec.role != role:
+        if role is not Role.SINGLE and checkpoint.spec.role != role:
             raise UsageError(f"--{role} {checkpoint.path} is a {checkpoint.spec.kind}")
     for checkpoint in checkpoints.values():
         layout.admit(checkpoint)  # validate -> pair -> plan: inspect's first problem is convert's refusal
@@ -135,7 +155,7 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     if request.tp is not None:
         _refuse_tensor_parallel(checkpoints, request, layout)
     items = tuple(PlannedCheckpoint(source=c, plan=layout.plan(c, max_shard_bytes=request.max_shard_bytes),
-                                    subdir="" if role == "single" else role) for role, c in checkpoints.items())
+                                    role=role) for role, c in checkpoints.items())
     for item in items:
         warnings.extend(item.plan.warnings)
     plan = ConversionPlan(request=request, items=items, pair=pair, warnings=tuple(warnings))
@@ -154,11 +174,11 @@ def _linked_bytes(request: ConvertRequest, items: tuple[PlannedCheckpoint, ...])
     return sum(shard.nbytes for shard in unchanged)
 
 
-def _sources(request: ConvertRequest) -> dict[str, Path]:
+def _sources(request: ConvertRequest) -> dict[Role, Path]:
     if request.single is not None:
         if request.target is not None or request.assistant is not None:
             raise UsageError("give either SRC or --target/--assistant, not both")
-        return {"single": request.single}
+        return {Role.SINGLE: request.single}
     sources = {role: path for role, path in ((ROLE_TARGET, request.target), (ROLE_ASSISTANT, request.assistant))
                if path is not None}
     if not sources:
@@ -230,30 +250,136 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
     Raises:
         OutputError: when writing fails (nothing is left behind), or another process is writing DST.
     """
+    with output_lock(plan.request.out):
+        return _write(plan, on_bytes)
+
+
+def _write(plan: ConversionPlan, on_bytes: Callable[[int], None]) -> ConvertResult:
+    """execute's work, under the output lock its caller holds."""
     outputs: dict[str, dict[str, str | None]] = {}
     made: dict[str, str] = {}
     paired = plan.pair is not None
     if any(not tensor.is_copy for item in plan.items for tensor in item.plan.tensors):
         _import_in_background("converter.transforms")
-    with output_lock(plan.request.out):
-        if plan.request.out.exists() and not plan.request.force:  # another run finished it since we planned
-            raise OutputError(f"{plan.request.out} already exists; choose a new directory or pass --force")
-        with staged_directory(plan.request.out, replace=plan.request.force) as staging, ExitStack() as stack:
-            # every source file this conversion reads whole, hashed from the start on the cores the writes leave
-            ahead = hashing_ahead(_files_to_hash(plan, staging), stack) if plan.request.hashed else {}
-            finishing, writers = [], _Writers.started(stack)
-            on_bytes = _one_at_a_time(on_bytes)  # the writers' threads report progress
-            for item in plan.items:
-                directory = staging / item.subdir if item.subdir else staging
-                make_directory(directory)
-                finishing.append((item.subdir, _write_checkpoint(
-                    item, directory, link=plan.request.link, hashed=plan.request.hashed, paired=paired,
-                    warnings=plan.warnings, on_bytes=on_bytes, tp=plan.request.tp, ahead=ahead, writers=writers,
-                    origin=plan.request.origins.get(item.subdir or "single"))))
-            for subdir, write_manifest in finishing:  # every file is started: now wait for the writes and hashes
-                outputs[subdir], how = write_manifest()
-                made.update({f"{subdir}/{name}".lstrip("/"): h for name, h in how.items()})
+    if plan.request.out.exists() and not plan.request.force:  # another run finished it since we planned
+        raise OutputError(f"{plan.request.out} already exists; choose a new directory or pass --force")
+    with staged_directory(plan.request.out, replace=plan.request.force) as staging, ExitStack() as stack:
+        # every source file this conversion reads whole, hashed from the start on the cores the writes leave
+        ahead = hashing_ahead(_files_to_hash(plan, staging), stack) if plan.request.hashed else {}
+        finishing, writers = [], _Writers.started(stack)
+        on_bytes = _one_at_a_time(on_bytes)  # the writers' threads report progress
+        for item in plan.items:
+            directory = staging / item.subdir if item.subdir else staging
+            make_directory(directory)
+            finishing.append((item.subdir, _write_checkpoint(
+                item, directory, link=plan.request.link, hashed=plan.request.hashed, paired=paired,
+                warnings=plan.warnings, on_bytes=on_bytes, tp=plan.request.tp, ahead=ahead, writers=writers,
+                origin=plan.request.origins.get(item.role))))
+        for subdir, write_manifest in finishing:  # every file is started: now wait for the writes and hashes
+            outputs[subdir], how = write_manifest()
+            made.update({f"{subdir}/{name}".lstrip("/"): h for name, h in how.items()})
     return ConvertResult(plan=plan, output_files=outputs, made=made)
+
+
+# ---------------------------------------------------------------------------------------- the verb's library call
+
+@dataclass(frozen=True)
+class ConvertJob:
+    """What `convert` is asked for, before any source is opened: the verb's options as data (cli/convert.py)."""
+
+    out: Path
+    sources: Mapping[Role, str]  # Role.SINGLE, or TARGET and/or ASSISTANT: a directory or OWNER/NAME[@REVISION]
+    layout: str | None = None  # None: advice's decision for `serving` (the cheapest layout without one)
+    layout_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    serving: ServingEnv | None = None  # --serving / --serving-python
+    target_only: bool = False  # a Hub target alone stays alone (its published assistant is not looked up)
+    force: bool = False
+    max_shard_bytes: int | None = None
+    link: str = "auto"
+    hashed: bool = True
+    tp: int | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class PreparedConversion:
+    """What `convert` settled before writing anything: the verb prints it before the progress bar starts."""
+
+    job: ConvertJob
+    plan: ConversionPlan
+    # advice's decision where one was asked for (no --layout, or --serving): its layout is the one planned unless
+    # --layout named another
+    decision: Decision | None
+    paired_assistant: tuple[str, str] | None  # (assistant repo, target repo): the Hub assistant paired automatically
+    notes: tuple[str, ...]  # without --serving: what the user may not need (a source serving as it is, ...)
+
+
+def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[PreparedConversion], None] = lambda p: None,
+            on_bytes: Callable[[int], None] = lambda n: None) -> tuple[PreparedConversion, ConvertResult | None]:
+    """The verb: opens each source once (Hub: headers only, pinned to one commit), pairs a Hub target's published
+    assistant, decides the layout, plans once; then, unless a dry run, locks OUT, downloads the Hub weights at the
+    commits the plan was made from, and writes.
+
+    Args:
+        job: the request.
+        api: an HfApi for Hub sources (None: huggingface_hub's own, made only when a source is a Hub repo).
+        on_prepared: called with the decision and the plan before anything is locked, downloaded or written.
+        on_bytes: progress, in source bytes processed (plan.source_bytes in all).
+
+    Returns:
+        (what was prepared, the written result; None for a dry run).
+
+    Raises:
+        UsageError, InputError, OutputError, HubError: one line each, naming the file or repo at fault.
+    """
+    sources = {role: resolve_source(text, purpose="headers", api=api) for role, text in job.sources.items()}
+    opened = {role: open_checkpoint(source) for role, source in sources.items()}
+    paired = None
+    if not job.target_only:
+        paired = _pair_published_assistant(job, sources, opened, api)
+    decision = _decision(opened, job)
+    request = ConvertRequest(
+        out=job.out, layout=job.layout or (decision.writes if decision else default_layout().name),
+        layout_options=job.layout_options, force=job.force, max_shard_bytes=job.max_shard_bytes, link=job.link,
+        hashed=job.hashed, tp=job.tp, opened={sources[role].path: checkpoint for role, checkpoint in opened.items()},
+        origins={role: source.origin() for role, source in sources.items() if source.origin()},
+        **{role.value: source.path for role, source in sources.items()})
+    plan = plan_conversion(request)
+    notes = () if job.serving is not None else tuple(serving_notes(
+        [(str(i.source.path), shape_of(i.source.spec, fused=has_fused_qkv(i.source))) for i in plan.items],
+        plan.request.layout))
+    prepared = PreparedConversion(job=job, plan=plan, decision=decision, paired_assistant=paired, notes=notes)
+    on_prepared(prepared)
+    if job.dry_run:
+        return prepared, None
+    with output_lock(job.out):  # before any download: a second run into OUT stops here, not after fetching weights
+        for source in sources.values():
+            fetch_weights(source, api=api)
+        return prepared, _write(plan, on_bytes)
+
+
+def _pair_published_assistant(job: ConvertJob, sources: dict[Role, LocalSource], opened: dict[Role, Checkpoint],
+                              api: Any) -> tuple[str, str] | None:
+    """A Hub target given without an assistant becomes a pair with OWNER/NAME-assistant, in place in `sources` and
+    `opened`; local directories and an assistant given alone are left as they are."""
+    role = Role.SINGLE if Role.SINGLE in job.sources else Role.TARGET
+    ref = parse_repo_ref(job.sources.get(role, ""))
+    if ref is None or Role.ASSISTANT in job.sources or opened[role].spec.role != ROLE_TARGET:
+        return None
+    repo_id, found = published_assistant(ref, api=api)
+    if role is Role.SINGLE:
+        sources[Role.TARGET], opened[Role.TARGET] = sources.pop(role), opened.pop(role)
+    sources[Role.ASSISTANT], opened[Role.ASSISTANT] = found, open_checkpoint(found)
+    return repo_id, ref.repo_id
+
+
+def _decision(opened: Mapping[Role, Checkpoint], job: ConvertJob) -> Decision | None:
+    """advice's decision for the checkpoint whose geometry the ledger matches (the target's where there is one),
+    where one is asked for: no --layout, or a serving environment to say it for."""
+    if job.layout is not None and job.serving is None:
+        return None
+    checkpoint = next(opened[r] for r in (Role.TARGET, Role.SINGLE, Role.ASSISTANT) if r in opened)
+    return decide(shape_of(checkpoint.spec, fused=has_fused_qkv(checkpoint)), job.serving)
 
 
 def _import_in_background(module: str) -> None:

@@ -152,3 +152,18 @@ def modelopt_from_hf_quant_config(document: Any) -> dict[str, Any] | None:
     if not isinstance(document, Mapping) or not isinstance(document.get("quantization"), Mapping):
         return None
     return {"quant_method": MODELOPT, **dict(document["quantization"])}
+
+
+def weights_per_element(config: Mapping[str, Any] | None, tensor: str, dtype: str) -> int:
+    """How many model weights one stored element of `tensor` holds: 32 // bits in a compressed-tensors
+    pack-quantized `weight_packed` (int32 words of 4- or 8-bit codes), 2 in a Model Optimizer FP4 `weight` (two
+    codes a byte), else 1 (bf16, fp8, an int8 code, a scale). Parameter counts use it, never an element size."""
+    module, _, param = tensor.rpartition(".")
+    scheme = weight_scheme(config, module)
+    if scheme is None or not scheme.num_bits:
+        return 1
+    if param == "weight_packed" and scheme.is_packed_int:
+        return 32 // scheme.num_bits
+    if param == "weight" and scheme.method == MODELOPT and scheme.num_bits == 4 and dtype == "U8":
+        return 2
+    return 1

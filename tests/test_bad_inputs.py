@@ -475,17 +475,17 @@ def test_unwritable_output_directory(world_readable_pair: Pair) -> None:
 def test_source_shrinks_while_converting(pristine: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A shard truncated after planning (another process rewrote it) is an input problem: exit 3, nothing left."""
-    import converter.cli.convert as convert_cli
+    import converter.pipeline as pipeline
 
     pair = copy_pair(pristine, tmp_path)
-    real_plan = convert_cli.plan_conversion
+    real_plan = pipeline.plan_conversion
 
     def plan_then_truncate(request):
         plan = real_plan(request)
         with open(pair.target / SHARD2, "r+b") as handle:
             handle.truncate((pair.target / SHARD2).stat().st_size // 2)
         return plan
-    monkeypatch.setattr(convert_cli, "plan_conversion", plan_then_truncate)
+    monkeypatch.setattr(pipeline, "plan_conversion", plan_then_truncate)
     code, _, err = run_cli(pair.convert_args(), capsys)
     lines = error_lines(err)
     assert code == EXIT_INPUT, err

@@ -131,3 +131,19 @@ def test_files_and_staging_tree_are_fsynced_before_the_rename_and_the_parent_aft
         assert staging + str(path)[len(str(pair.out)):] in before, f"{path} not fsynced before the rename"
     assert staging in before
     assert str(pair.out.parent) in after, "the directory holding the rename was not fsynced after it"
+
+
+def test_the_output_lock_is_not_reentrant(tmp_path):
+    """One holder at a time, this process included: convert takes it once, around the downloads and the writes."""
+    from converter.errors import OutputError
+    from converter.write.lock import lock_path, output_lock
+
+    dst = tmp_path / "dst"
+    with output_lock(dst) as held:
+        assert held == lock_path(dst) and held.exists()
+        with pytest.raises(OutputError, match="another gemma4-convert .* is writing it"):
+            with output_lock(dst):
+                pass
+    assert not lock_path(dst).exists()
+    with output_lock(dst):  # released: taken again
+        pass

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-import converter.cli.convert as convert_cli
+import converter.pipeline as pipeline
 from _helpers_robustness import Pair, copy_pair, error_lines, hash_tree, leftovers, pristine_pair, run_cli
 
 PAGE = 4096
@@ -86,7 +86,7 @@ def test_enospc_while_writing(left_free: str, pristine: Path, tmp_path: Path, mo
     pair = _pair_into(pristine, tmp_path, disk / "dst")
     source_before = hash_tree(pair.root / "src")
     planned = {}
-    real_plan = convert_cli.plan_conversion
+    real_plan = pipeline.plan_conversion
 
     def plan_then_fill(request):
         """The up-front check passes; then another writer takes the space the conversion was counting on."""
@@ -96,7 +96,7 @@ def test_enospc_while_writing(left_free: str, pristine: Path, tmp_path: Path, mo
             filler.write(bytes(max(_free(disk) - keep, 0)))
         planned["output_bytes"], planned["free"] = plan.output_bytes, _free(disk)
         return plan
-    monkeypatch.setattr(convert_cli, "plan_conversion", plan_then_fill)
+    monkeypatch.setattr(pipeline, "plan_conversion", plan_then_fill)
 
     code, out, err = run_cli(pair.convert_args(), capsys)
 

@@ -22,9 +22,9 @@ STAGES: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("validate",),),  # every "is this checkpoint what its config says" check: after read, before plan
     (("plan", "transforms", "layouts", "pairing", "cost", "parallel"),),
     (("write",),),
-    (("pipeline",),),
     (("proof",), ("advice",)),  # one stage, two rooms that must not lean on each other
     (("hub",),),
+    (("pipeline",),),  # the one call that converts: sources (hub), decision (advice), plan, write
     (("cli",),),
 )
 TESTING = "testing"

@@ -40,6 +40,12 @@ def hub_api(ctx: click.Context | None) -> Any:
     return obj["hf_api"] if isinstance(obj, dict) and obj.get("hf_api") is not None else make_api()
 
 
+def hub_api_for(ctx: click.Context | None, texts: Any) -> Any:
+    """hub_api(ctx) where one of the source texts is a Hub repo, else None: converting local directories never
+    imports huggingface_hub."""
+    return hub_api(ctx) if any(parse_repo_ref(text) is not None for text in texts) else None
+
+
 def resolve_cli_source(text: str, *, purpose: Purpose, ctx: click.Context | None) -> LocalSource:
     """resolve_source with this invocation's HfApi; a local path needs none (and never imports huggingface_hub)."""
     return resolve_source(text, purpose=purpose, api=hub_api(ctx) if parse_repo_ref(text) is not None else None)

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import click
 
-from ..advice.serving import ServingEnv, decide, serving_notes, shape_of
 from ..cost import human_bytes
 from ..errors import UsageError
-from ..gemma4 import ROLE_TARGET
-from ..hub.download import LocalSource, Purpose, open_checkpoint, parse_repo_ref, published_assistant
-from ..layouts import get_layout
+from ..gemma4 import Role
 from ..layouts.base import layout_offering
-from ..validate.attention import has_fused_qkv
-from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertRequest, ConvertResult, execute, plan_conversion,
+from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertJob, ConvertResult, PreparedConversion, convert,
                         serve_command)
 from ..plan import parse_size
-from ..write.lock import output_lock
 from ..write.writer import LINK_MEANING, LINK_MODES
-from ._common import PATH, LayoutChoice, hub_api, kv_cost_lines, resolve_cli_source, serving_env, serving_options
+from ._common import PATH, LayoutChoice, hub_api_for, kv_cost_lines, serving_env, serving_options
 
 
 FLAT_KEYS_ONLY = ("keys", "flat")  # the layout option --flat-keys-only sets
@@ -84,70 +81,55 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
         raise UsageError(f"--flat-keys-only applies to --layout {flat_layout} only")
     if target_only and assistant:
         raise UsageError("give --assistant or --target-only, not both")
-    env = serving_env(serving_python, serving_spec)
-    texts = {role: text for role, text in (("single", src), ("target", target), ("assistant", assistant)) if text}
-    sources = _resolve(ctx, texts, purpose="headers")
-    if not target_only:
-        texts, sources = _with_published_assistant(ctx, texts, sources)
-    layout = _decide_layout(sources, layout=flat_layout if flat_keys_only and layout is None else layout, env=env)
-    options = dict(out=out, layout=layout, layout_options=dict([FLAT_KEYS_ONLY]) if flat_keys_only else {}, force=force,
-                   max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp)
-    plan = plan_conversion(_request(sources, **options))
-    _print_plan(plan, dry_run=dry_run, env=env)
-    if link in LINK_MEANING:
-        click.echo(f"NOTE: --link {link}: {LINK_MEANING[link]}", err=True)
-    if dry_run:
+    sources = {role: text for role, text in ((Role.SINGLE, src), (Role.TARGET, target), (Role.ASSISTANT, assistant))
+               if text}
+    job = ConvertJob(out=out, sources=sources, layout=flat_layout if flat_keys_only and layout is None else layout,
+                     layout_options=dict([FLAT_KEYS_ONLY]) if flat_keys_only else {},
+                     serving=serving_env(serving_python, serving_spec), target_only=target_only, force=force,
+                     max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp, dry_run=dry_run)
+    with ExitStack() as stack:
+        progress: list[Any] = []
+
+        def prepared(ready: PreparedConversion) -> None:
+            _print_prepared(ready)
+            if not dry_run:
+                from tqdm import tqdm  # ~0.1 s: imported by the runs that show progress, not by --help
+
+                progress.append(stack.enter_context(tqdm(
+                    total=ready.plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
+                    disable=None, leave=False)))
+
+        ready, result = convert(job, api=hub_api_for(ctx, sources.values()), on_prepared=prepared,
+                                on_bytes=lambda n: progress[0].update(n))
+    if result is None:
         click.echo("dry run: nothing written")
         return
-    from tqdm import tqdm  # ~0.1 s: imported by the runs that show progress, not by --help
-
-    with output_lock(out):  # before any download: a second run into OUT stops here, not after fetching weights
-        if any(source.remote_shards is not None for source in sources.values()):
-            sources = _resolve(ctx, texts, purpose="full")  # the weights, at the commit already resolved
-            plan = plan_conversion(_request(sources, **options))
-        with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
-                  disable=None, leave=False) as bar:
-            result = execute(plan, on_bytes=bar.update)
-    click.echo(f"wrote {out} ({human_bytes(plan.output_bytes)} of tensors{_made_summary(result)})")
-    for warning in plan.warnings:
-        click.echo(f"WARNING: {warning}", err=True)
-    click.echo(f"serve it with stock {env.label() if env else 'vLLM'}:")
+    click.echo(f"wrote {out} ({human_bytes(ready.plan.output_bytes)} of tensors{_made_summary(result)})")
+    click.echo(f"serve it with stock {job.serving.label() if job.serving else 'vLLM'}:")
     if flat_keys_only:
         click.echo("  (--flat-keys-only needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
-    click.echo(f"  {serve_command(plan)}")
+    click.echo(f"  {serve_command(ready.plan)}")
 
 
-def _with_published_assistant(ctx: click.Context, texts: dict[str, str], sources: dict[str, LocalSource]
-                              ) -> tuple[dict[str, str], dict[str, LocalSource]]:
-    """A Hub target given without --assistant becomes a pair with OWNER/NAME-assistant (said in one line); local
-    directories and an assistant given alone are left as they are."""
-    role = "single" if "single" in texts else "target"
-    ref = parse_repo_ref(texts.get(role, ""))
-    if ref is None or "assistant" in texts or open_checkpoint(sources[role]).spec.role != ROLE_TARGET:
-        return texts, sources
-    repo_id, found = published_assistant(ref, api=hub_api(ctx))
-    click.echo(f"assistant: {repo_id} (published beside {ref.repo_id}; --assistant names another, --target-only "
-               "converts the target alone)")
-    rest = {k: v for k, v in texts.items() if k != role}
-    return ({**rest, "target": texts[role], "assistant": repo_id},
-            {**{k: v for k, v in sources.items() if k != role}, "target": sources[role], "assistant": found})
-
-
-def _decide_layout(sources: dict[str, LocalSource], *, layout: str | None, env: ServingEnv | None) -> str:
-    """--layout when given, else advice's decision for the serving environment (one line says which and why);
-    with both, a note where the decision would be another layout."""
-    if layout is not None and env is None:
-        return layout
-    role = next(r for r in ("target", "single", "assistant") if r in sources)
-    checkpoint = open_checkpoint(sources[role])
-    decision = decide(shape_of(checkpoint.spec, fused=has_fused_qkv(checkpoint)), env)
-    if layout is None:
-        click.echo(f"chosen: --layout {decision.writes_why}")
-    elif env is not None and decision.writes != layout:
-        click.echo(f"note: for {env.label()} the ledger chooses {decision.writes_why}")
-    if decision.serves_as_is:
-        click.echo(f"note: {decision.serves_as_is}; converting anyway")
-    return layout or decision.writes
+def _print_prepared(ready: PreparedConversion) -> None:
+    """What was settled before writing: the paired assistant, the decision, the plan and its cost, the notes."""
+    if ready.paired_assistant:
+        repo_id, target = ready.paired_assistant
+        click.echo(f"assistant: {repo_id} (published beside {target}; --assistant names another, --target-only "
+                   "converts the target alone)")
+    decision, job = ready.decision, ready.job
+    if decision is not None:
+        if job.layout is None:
+            click.echo(f"chosen: --layout {decision.writes_why}")
+        elif job.serving is not None and decision.writes != job.layout:
+            click.echo(f"note: for {job.serving.label()} the ledger chooses {decision.writes_why}")
+        if decision.serves_as_is:
+            click.echo(f"note: {decision.serves_as_is}; converting anyway")
+    _print_plan(ready.plan, dry_run=job.dry_run)
+    for note in ready.notes:
+        click.echo(f"note: {note}")
+    if job.link in LINK_MEANING:
+        click.echo(f"NOTE: --link {job.link}: {LINK_MEANING[job.link]}", err=True)
 
 
 def _made_summary(result: ConvertResult) -> str:
@@ -159,21 +141,8 @@ def _made_summary(result: ConvertResult) -> str:
     return ("; unchanged files: " + ", ".join(f"{n} {how}" for how, n in sorted(counts.items()))) if counts else ""
 
 
-def _resolve(ctx: click.Context, texts: dict[str, str], *, purpose: Purpose) -> dict[str, LocalSource]:
-    """Each source text as a LocalSource; a Hub repo pinned to one commit (hub.resolve_source)."""
-    return {role: resolve_cli_source(text, purpose=purpose, ctx=ctx) for role, text in texts.items()}
-
-
-def _request(sources: dict[str, LocalSource], **options) -> ConvertRequest:
-    single, target, assistant = (sources.get(role) for role in ("single", "target", "assistant"))
-    return ConvertRequest(target=target and target.path, assistant=assistant and assistant.path,
-                          single=single and single.path, **options,
-                          origins={role: s.origin() for role, s in sources.items() if s.origin()},
-                          opened={s.path: open_checkpoint(s) for s in sources.values() if s.remote_shards is not None})
-
-
-def _print_plan(plan: ConversionPlan, *, dry_run: bool, env: ServingEnv | None) -> None:
-    layout = get_layout(plan.request.layout, plan.request.layout_options)
+def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
+    layout = plan.layout
     click.echo(f"layout {layout.name}: {layout.description}")
     for item in plan.items:
         destination = plan.output_dir(item)
@@ -182,7 +151,7 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool, env: ServingEnv | None) 
             actions[tensor.action] = actions.get(tensor.action, 0) + 1
         summary = ", ".join(f"{n} {a}" for a, n in sorted(actions.items()))
         growth = item.plan.total_size - item.plan.source_bytes
-        params = growth // item.source.shards[0].tensors[0].itemsize if item.source.shards else 0
+        params = item.parameters_added
         click.echo(f"  {item.source.path} ({item.source.spec.kind}) -> {destination}")
         click.echo(f"    {len(item.plan.shards)} shard(s); tensors: {summary}")
         click.echo(f"    weights {human_bytes(item.plan.source_bytes)} -> {human_bytes(item.plan.total_size)} "
@@ -200,12 +169,6 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool, env: ServingEnv | None) 
             click.echo("  " + line)
     for warning in plan.warnings:
         click.echo(f"WARNING: {warning}", err=True)
-    if env is None:  # with env, _decide_layout said it for that env
-        sources = [(str(i.source.path), shape_of(i.source.spec, fused=any(t.action.startswith("split")
-                                                                         for t in i.plan.tensors)))
-                   for i in plan.items]
-        for note in serving_notes(sources, plan.request.layout):
-            click.echo(f"note: {note}")
 
 
 __all__ = ["command", "UsageError"]

@@ -23,7 +23,7 @@ from ..errors import HubError, InputError
 from ..gemma4 import ROLE_ASSISTANT, read_spec
 from ..read.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
                                VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
-from ..read.safetensors_header import ShardHeader, shard_from_entries
+from ..read.safetensors_header import ShardHeader, read_header, shard_from_entries
 from .errors import hub_errors, transfer_errors
 
 if TYPE_CHECKING:
@@ -163,6 +163,33 @@ def _download_weights(api: Any, ref: RepoRef, sha: str, folder: Path) -> None:
             with transfer_errors(ref.text, "*.safetensors", cache=cache):  # unindexed, not model.safetensors
                 api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(WEIGHT_PATTERNS),
                                       ignore_patterns=list(IGNORE_PATTERNS), local_files_only=offline)
+
+
+def fetch_weights(source: LocalSource, *, api: Any = None) -> None:
+    """Downloads the weights of a source opened for its headers (resolve_source purpose "headers"), at the one
+    commit it is pinned to, and checks that each file's safetensors header is the one read over HTTP: a plan made
+    from the headers is then the plan of these files, and one conversion never mixes revisions.
+
+    Raises:
+        HubError: the download failed or did not complete (offline: a file not cached).
+        InputError: a downloaded file's header is not the one the plan was made from.
+    """
+    if source.remote_shards is None:
+        return  # every file is on this machine already
+    from huggingface_hub import constants
+
+    api = api if api is not None else make_api()
+    asked = None if source.revision == constants.DEFAULT_REVISION else source.revision  # messages name what was asked
+    _download_weights(api, RepoRef(repo_id=str(source.repo_id), revision=asked), str(source.revision_sha),
+                      source.path)
+    missing = _missing_files(source.path)
+    if missing:
+        _raise_incomplete(source, missing, weights=True)
+    for remote in source.remote_shards:
+        local = read_header(remote.file)
+        if (local.data_start, local.size, local.tensors) != (remote.data_start, remote.size, remote.tensors):
+            raise InputError(f"{source.label}: {remote.file.name} as downloaded differs from the header read over "
+                             "HTTP at the same commit; remove it from the Hugging Face cache and rerun")
 
 
 def _indexed_shards(folder: Path) -> list[str]:

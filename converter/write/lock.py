@@ -14,7 +14,6 @@ import fcntl
 import json
 import os
 import socket
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -23,10 +22,6 @@ from ..errors import OutputError
 
 LOCK_SUFFIX = ".gemma4-convert-lock"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-# Paths this process already holds (a reentrant lock: the CLI takes it before downloading, execute() again).
-_held: dict[Path, tuple[int, int]] = {}  # path -> (thread id, depth)
-_held_guard = threading.Lock()
 
 
 def lock_path(destination: Path) -> Path:
@@ -84,32 +79,15 @@ def _write_holder(fd: int) -> None:
 
 @contextmanager
 def output_lock(destination: Path) -> Iterator[Path]:
-    """Holds the lock of `destination` for the block; a second holder (another process) gets OutputError at once.
+    """Holds the lock of `destination` for the block; a second holder gets OutputError at once, in another process
+    or in this one (the lock is not reentrant: pipeline.convert takes it once, around the downloads and the writes).
 
-    Reentrant within one thread of this process. A lock file whose holder died is taken over (flock is released
-    by the kernel). The lock file is removed on exit.
+    A lock file whose holder died is taken over (flock is released by the kernel). The lock file is removed on exit.
 
     Raises:
-        OutputError: another live process holds it, or the lock file cannot be created.
+        OutputError: another holder has it, or the lock file cannot be created.
     """
     path = lock_path(destination)
-    key = Path(os.path.abspath(path))
-    me = threading.get_ident()
-    with _held_guard:
-        held = _held.get(key)
-        if held is not None and held[0] == me:
-            _held[key] = (me, held[1] + 1)
-            reentered = True
-        else:
-            reentered = False
-    if reentered:
-        try:
-            yield path
-        finally:
-            with _held_guard:
-                thread, depth = _held[key]
-                _held[key] = (thread, depth - 1)
-        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = _open_locked(path, destination)
@@ -119,12 +97,8 @@ def output_lock(destination: Path) -> Iterator[Path]:
         raise OutputError(f"{path}: cannot create the lock file ({exc.strerror or exc})") from exc
     try:
         _write_holder(fd)
-        with _held_guard:
-            _held[key] = (me, 1)
         yield path
     finally:
-        with _held_guard:
-            _held.pop(key, None)
         try:
             os.unlink(path)  # while still locked: a waiter that opened the old inode retries on the new one
         except FileNotFoundError:
