@@ -159,7 +159,7 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
         if dry_run:
             for shard in item.plan.shards:
                 click.echo(f"    {shard.file_name}: {len(shard.tensors)} tensors, {human_bytes(shard.nbytes)}")
-    if plan.item("target") is not None:
+    if plan.item(Role.TARGET) is not None:
         costs = plan.kv_costs()
         free = all(c.after == c.before for c in costs) and all(
             i.plan.total_size == i.plan.source_bytes for i in plan.items)

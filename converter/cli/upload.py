@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..cost import human_bytes
+from ..gemma4 import Role
 from ..hub.upload import UploadPlan, UploadRequest, execute_upload, plan_upload
 from ._common import PATH, hub_api
 
@@ -41,8 +42,8 @@ def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str
           --assistant-repo me/gemma-4-31B-it-assistant-pad-global --dry-run
       gemma4-convert upload DST/target me/gemma-4-31B-it-per-layer --private
     """
-    repos = {role: repo for role, repo in (("single", repo_id), ("target", target_repo),
-                                            ("assistant", assistant_repo)) if repo}
+    repos = {role: repo for role, repo in ((Role.SINGLE, repo_id), (Role.TARGET, target_repo),
+                                            (Role.ASSISTANT, assistant_repo)) if repo}
     request = UploadRequest(dst=dst, repos=repos, private=private, revision=revision, create_pr=create_pr,
                             commit_message=commit_message, verify_required=not no_verify, base_model=base_model,
                             assistant_base_model=assistant_base_model)

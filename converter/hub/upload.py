@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping
 
 from .. import __version__
 from ..errors import InputError, UsageError, VerificationFailed
-from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET
+from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role
 from ..read.checkpoint import MANIFEST_NAME, VERIFICATION_NAME, read_json
 from .errors import hub_errors, transfer_errors
 from .provenance import infer_base_model, public_manifest, scrub_paths
@@ -28,7 +28,7 @@ SOURCE_CARD_NAME = "README.source.md"  # the source's own README.md travels unde
 
 @dataclass(frozen=True)
 class UploadRequest:
-    """What `upload` was asked to do (repo ids by role: "single" for a one-checkpoint DST)."""
+    """What `upload` was asked to do (repo ids by role: Role.SINGLE for a one-checkpoint DST)."""
 
     dst: Path
     repos: Mapping[str, str]
@@ -51,7 +51,7 @@ class UploadFile:
 
 @dataclass(frozen=True)
 class UploadItem:
-    role: str  # "single", "target" or "assistant": where it sits in DST
+    role: Role  # where it sits in DST
     kind: str  # the checkpoint's own role from conversion.json: "target" or "assistant"
     layout: str
     directory: Path
@@ -79,14 +79,14 @@ class UploadResult:
     pr_url: str | None
 
 
-def checkpoint_dirs(dst: Path) -> dict[str, Path]:
-    """The converted checkpoints under DST: {"single": DST} or {"target": DST/target, "assistant": ...}.
+def checkpoint_dirs(dst: Path) -> dict[Role, Path]:
+    """The converted checkpoints under DST: {SINGLE: DST} or {TARGET: DST/target, ASSISTANT: ...}.
 
     Raises:
         InputError: DST holds no conversion.json at its top or in target/ or assistant/.
     """
     if (dst / MANIFEST_NAME).is_file():
-        return {"single": dst}
+        return {Role.SINGLE: dst}
     found = {role: dst / role for role in (ROLE_TARGET, ROLE_ASSISTANT) if (dst / role / MANIFEST_NAME).is_file()}
     if not found:
         raise InputError(f"{dst}: no {MANIFEST_NAME} in it or in {ROLE_TARGET}/ or {ROLE_ASSISTANT}/ "
@@ -138,7 +138,7 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
         items.append(UploadItem(role=role, kind=str(manifest.get("role")), layout=str(manifest.get("layout")),
                                 directory=directory, repo_id=request.repos[role],
                                 files=_upload_files(directory, card, rewritten), card=card))
-    warnings = () if "single" in dirs else tuple(filter(None, [mismatched_bases(
+    warnings = () if Role.SINGLE in dirs else tuple(filter(None, [mismatched_bases(
         *(b.repo_id if b else None for b in (bases.get(ROLE_TARGET), bases.get(ROLE_ASSISTANT))))]))
     return UploadPlan(request=request, items=tuple(items), unknown_base=tuple(unknown), warnings=warnings)
 
@@ -148,7 +148,7 @@ def _base_override(request: UploadRequest, where: str, kind: str) -> str | None:
     pair) or for the one checkpoint of a single DST when no assistant override names it."""
     if kind == ROLE_ASSISTANT and request.assistant_base_model:
         return request.assistant_base_model
-    if where == "single" or kind == ROLE_TARGET:
+    if where == Role.SINGLE or kind == ROLE_TARGET:
         return request.base_model
     return None
 
@@ -186,15 +186,15 @@ def _private_paths(dst: Path, directory: Path, manifest: Mapping[str, Any]) -> l
 
 
 def _repo_usage(request: UploadRequest, dirs: dict[str, Path]) -> str:
-    if "single" in dirs:
+    if Role.SINGLE in dirs:
         return f"{request.dst} holds one checkpoint: give REPO_ID (not --target-repo/--assistant-repo)"
     wanted = " and ".join(f"--{role}-repo" for role in dirs)
     return f"{request.dst} holds {', '.join(f'{r}/' for r in dirs)}: give {wanted} (not REPO_ID)"
 
 
 def _serve_repos(repos: Mapping[str, str], manifests: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
-    if "single" in repos:
-        return {manifests["single"].get("role", ROLE_TARGET): repos["single"]}
+    if Role.SINGLE in repos:
+        return {manifests[Role.SINGLE].get("role", ROLE_TARGET): repos[Role.SINGLE]}
     return dict(repos)
 
 
