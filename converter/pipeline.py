@@ -4,19 +4,16 @@ halves for callers that hold local paths already (tests, benchmarks)."""
 
 from __future__ import annotations
 
-import datetime as _dt
 import importlib
 import math
-import os
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, closing
+from concurrent.futures import Future
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import __version__
 from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UnsupportedLayoutError, UsageError
 from .advice.serving import Decision, ServingEnv, decide, serving_notes, shape_of
@@ -28,15 +25,17 @@ from .layouts import Layout, default_layout, get_layout
 from .layouts.base import layout_from_manifest
 from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
-from .plan import CheckpointPlan, ShardPlan, TensorPlan, index_document
+from .plan import CheckpointPlan, ShardPlan, index_document
 from .validate.attention import has_fused_qkv
 from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
-from .read.sequential import PendingSha256, SourceFile, hashing_ahead, known_sha256
+from .read.sequential import PendingSha256, hashing_ahead, known_sha256
+from .write.budget import budget
+from .write.engine import Writers, place_whole, rewrite_shard
 from .write.lock import output_lock
-from .write.writer import (LINK_MODES, RenderBuffers, make_directory, place_file, reflink_possible,
-                           staged_directory, write_json, write_shard)
+from .write.manifest import MADE_WRITTEN, manifest_document
+from .write.placement import LINK_MODES, place_file, reflink_possible
+from .write.staging import make_directory, staged_directory, write_json
 
-MADE_WRITTEN = "written"  # conversion.json `output.made` of a file this tool generated
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class ConvertRequest:
     single: Path | None = None
     force: bool = False
     max_shard_bytes: int | None = None
-    link: str = "auto"  # how unchanged files get into the output: write.writer.LINK_MODES
+    link: str = "auto"  # how unchanged files get into the output: write.placement.LINK_MODES
     hashed: bool = True  # sha256 of every source and output file read or written (--no-hash: null in the manifest)
     tp: int | None = None  # the tensor-parallel size the user serves with (--tp): checked, named in the serve line
     # role -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
@@ -265,8 +264,9 @@ def _write(plan: ConversionPlan, on_bytes: Callable[[int], None]) -> ConvertResu
         raise OutputError(f"{plan.request.out} already exists; choose a new directory or pass --force")
     with staged_directory(plan.request.out, replace=plan.request.force) as staging, ExitStack() as stack:
         # every source file this conversion reads whole, hashed from the start on the cores the writes leave
-        ahead = hashing_ahead(_files_to_hash(plan, staging), stack) if plan.request.hashed else {}
-        finishing, writers = [], _Writers.started(stack)
+        ahead = hashing_ahead(_files_to_hash(plan, staging), stack, threads=budget().hash_threads) \
+            if plan.request.hashed else {}
+        finishing, writers = [], Writers.started(stack, budget())
         on_bytes = _one_at_a_time(on_bytes)  # the writers' threads report progress
         for item in plan.items:
             directory = staging / item.subdir if item.subdir else staging
@@ -432,7 +432,7 @@ def _files_to_hash(plan: ConversionPlan, staging: Path) -> dict[Path, int]:
 
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
                       warnings: tuple[str, ...], on_bytes: Callable[[int], None],
-                      ahead: Mapping[Path, PendingSha256], writers: "_Writers",
+                      ahead: Mapping[Path, PendingSha256], writers: Writers,
                       origin: Mapping[str, str] | None = None, tp: int | None = None
                       ) -> Callable[[], tuple[dict[str, str | None], dict[str, str]]]:
     """Starts writing item's files into directory (its shards by `writers`, the small files at once); returns what
@@ -447,15 +447,15 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
     for shard in plan.shards:
         if shard.same_as is not None:  # an unchanged source file: copied or linked whole, hashed once if read
             placing.append((shard, writers.copies.submit(
-                _place_whole, shard, directory, link=link, expected_size=sizes[shard.same_as],
+                place_whole, shard, directory, link=link, expected_size=sizes[shard.same_as],
                 hashed=hashed and shard.same_as not in ahead, on_bytes=on_bytes)))
             continue
         for path in dict.fromkeys(t.source.ref.file for t in shard.tensors):
             if path.name not in source_hashes:  # hashed ahead (or known) while its bytes are rewritten
                 source_hashes[path.name] = (known_sha256(path) or ahead[path]) if hashed else None
         files[shard.file_name] = writers.rewrites.submit(
-            _rewrite_shard, shard, directory / shard.file_name, metadata=plan.metadata, hashed=hashed,
-            on_bytes=on_bytes, buffers=writers.buffers)
+            rewrite_shard, shard, directory / shard.file_name, metadata=plan.metadata, hashed=hashed,
+            on_bytes=on_bytes, buffers=writers.buffers, render_threads=writers.budget.render_threads)
         made[shard.file_name] = MADE_WRITTEN
     if plan.indexed:
         files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
@@ -472,67 +472,12 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
             files[shard.file_name] = source_hashes[shard.same_as.name] = digest
         resolved = {name: _resolved(digest) for name, digest in files.items()}
         write_json(directory / MANIFEST_NAME, manifest_document(
-            item, source_hashes={name: _resolved(digest) for name, digest in source_hashes.items()},
+            item.plan, item.source, source_hashes={name: _resolved(digest) for name, digest in source_hashes.items()},
             output_hashes=resolved, made=made, link=link, hashed=hashed, paired=paired, warnings=warnings,
             origin=origin, tp=tp))
         return resolved, made
 
     return write_manifest
-
-
-SHARDS_AT_ONCE = 2  # rewritten shards written at once (more cores: more at once, up to this; peak RSS grows with it)
-
-
-@dataclass(frozen=True)
-class _Writers:
-    """Where a conversion's shards are written from: unchanged files are copied on one thread (the disk's work: O_DIRECT
-    from the page cache, ~0.1 CPU s per GB), rewritten shards on as many threads as cores, up to SHARDS_AT_ONCE (the
-    cores' work: each output's sha256 is one stream, ~1.8 GB/s on one core), all sharing one set of render buffers.
-
-    On the 7.7 GB pair from a Hub cache (2 cores), pad-global took 6.4-7.2 s rewriting one shard at a time after
-    the copy, against the floor's 3.8 s (docs/BENCHMARKS.md).
-    """
-    copies: ThreadPoolExecutor
-    rewrites: ThreadPoolExecutor
-    buffers: RenderBuffers
-
-    @classmethod
-    def started(cls, stack: ExitStack) -> "_Writers":
-        """Writers whose threads are stopped when `stack` closes: what has not started is dropped, what runs ends."""
-        cores = max(1, len(os.sched_getaffinity(0)))
-        writers = cls(copies=ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy"),
-                      rewrites=ThreadPoolExecutor(max_workers=min(cores, SHARDS_AT_ONCE), thread_name_prefix="shard"),
-                      buffers=RenderBuffers())
-        for pool in (writers.copies, writers.rewrites):
-            stack.callback(pool.shutdown, wait=True, cancel_futures=True)
-        return writers
-
-
-def _rewrite_shard(shard: ShardPlan, path: Path, *, metadata: Mapping[str, str], hashed: bool,
-                   on_bytes: Callable[[int], None], buffers: RenderBuffers) -> str | None:
-    """write_shard of one rewritten shard, its source files opened for it alone."""
-    with ExitStack() as stack:
-        sources = {source: stack.enter_context(closing(SourceFile(source)))
-                   for source in dict.fromkeys(tensor.source.ref.file for tensor in shard.tensors)}
-        render = None if all(tensor.is_copy for tensor in shard.tensors) else _render_transform
-        return write_shard(path, shard, metadata=dict(metadata), sources=sources, render=render, on_bytes=on_bytes,
-                           hashed=hashed, buffers=buffers)
-
-
-def _render_transform(tensor: TensorPlan, raw: memoryview, out: memoryview) -> memoryview:
-    """transforms.render_transform, imported by the render threads at their first tensor: torch takes ~1 s to import
-    (started by _import_in_background), and the untouched tensors before it need not wait for it."""
-    from .transforms import render_transform
-    return render_transform(tensor, raw, out)
-
-
-def _place_whole(shard: ShardPlan, directory: Path, *, link: str, expected_size: int, hashed: bool,
-                 on_bytes: Callable[[int], None]) -> tuple[str, str | None]:
-    """place_file of an unchanged source shard, its bytes counted as done."""
-    placed = place_file(shard.same_as, directory / shard.file_name, link=link, expected_size=expected_size,
-                        hashed=hashed)
-    on_bytes(sum(t.source.nbytes for t in shard.tensors))
-    return placed
 
 
 def _one_at_a_time(report: Callable[[int], None]) -> Callable[[int], None]:
@@ -547,47 +492,6 @@ def _one_at_a_time(report: Callable[[int], None]) -> Callable[[int], None]:
 
 def _resolved(digest: PendingSha256 | Future | str | None) -> str | None:
     return digest.result() if isinstance(digest, (PendingSha256, Future)) else digest
-
-
-def manifest_document(item: PlannedCheckpoint, *, source_hashes: Mapping[str, str | None],
-                      output_hashes: Mapping[str, str | None], made: Mapping[str, str], link: str, paired: bool,
-                      warnings: tuple[str, ...], origin: Mapping[str, str] | None = None,
-                      hashed: bool = True, tp: int | None = None) -> dict[str, Any]:
-    """conversion.json: enough to audit, verify and cite the conversion (origin: the Hub repo id and commit).
-
-    `output.made` says how each file came to be: "written" (generated), "copy", "reflink", "hardlink" or "symlink"
-    (an unchanged source file); a linked file was never read, so its sha256 is null on both sides, as is every
-    shard's and weight file's with `hashed` False (--no-hash; the small JSON files are always hashed).
-    """
-    plan, source = item.plan, item.source
-    return {
-        "tool": "gemma4-convert",
-        "version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "layout": plan.layout,
-        "layout_options": dict(plan.layout_options),
-        "role": plan.role,
-        "model_type": source.spec.model_type,
-        "converted_with_pair": paired,
-        "tensor_parallel_size": tp,
-        "warnings": list(warnings),
-        "source": {"path": str(source.path.resolve()), **dict(origin or {}), "dialect": source.spec.dialect,
-                   "config": dict(source.config), "files": dict(source_hashes)},
-        "output": {"files": dict(output_hashes), "made": dict(made), "link": link, "hashed": hashed,
-                   "total_size": plan.total_size},
-        "tensors": [_tensor_record(t) for t in plan.tensors],
-    }
-
-
-def _tensor_record(tensor: TensorPlan) -> dict[str, Any]:
-    record: dict[str, Any] = {"name": tensor.name, "action": tensor.action, "source": tensor.source.ref.name,
-                              "source_file": tensor.source.ref.file.name}
-    if not tensor.source.is_whole:
-        record["rows"] = [tensor.source.row_start, tensor.source.row_stop]
-    if tensor.transform:
-        record["transform"] = tensor.transform
-        record["params"] = dict(tensor.params)
-    return record
 
 
 def serve_command(plan: ConversionPlan) -> str:

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 BLOCK = 4 * 1024 * 1024
-IN_FLIGHT = 4  # convert's writer threads (converter/write/writer.py WRITERS)
+IN_FLIGHT = 4  # convert's writer threads (converter/write/budget.py WRITERS)
 ALIGN = 4096
 
 

@@ -21,7 +21,7 @@ import pytest
 from converter.cli import main
 from converter.read.checkpoint import INDEX_NAME, MANIFEST_NAME
 from converter.testing.synthetic import scaled_preset, write_pair
-from converter.write.writer import PARTIAL_SUFFIX
+from converter.write.staging import PARTIAL_SUFFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")

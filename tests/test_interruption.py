@@ -24,13 +24,15 @@ import pytest
 
 from _helpers_robustness import (TARGET_SHARDS, assert_complete_pair_output, copy_pair, error_lines, hash_tree, leftovers,
                                  pristine_pair, run_cli, staging_dir)
-from converter.write.writer import PARTIAL_SUFFIX
+from converter.write.staging import PARTIAL_SUFFIX
 
 SHARD1, SHARD2 = TARGET_SHARDS
 
 _DRIVER = r"""
 import os, signal, sys
-import converter.write.writer as writer
+import converter.write.engine as engine
+import converter.write.hashing as hashing
+import converter.write.staging as staging
 import converter.pipeline as pipeline
 from converter.cli import main
 
@@ -42,32 +44,32 @@ def stop():
 
 
 if point == "mid-shard":
-    original_write = writer._HashingWriter.write
+    original_write = hashing.HashingWriter.write
 
     def write(self, data):
         original_write(self, data)
         self.calls = getattr(self, "calls", 0) + 1
-        if self.calls == 4 and not getattr(writer, "_stopped", False):  # the header and 3 tensors are written
-            writer._stopped = True
+        if self.calls == 4 and not getattr(hashing, "_stopped", False):  # the header and 3 tensors are written
+            hashing._stopped = True
             self.handle.flush()
             stop()
-    writer._HashingWriter.write = write
+    hashing.HashingWriter.write = write
 elif point == "between-shards":
-    original_shard = pipeline.write_shard
+    original_shard = engine.write_shard
 
     def write_shard(*args, **kwargs):
         digest = original_shard(*args, **kwargs)
         # the target's rewritten shard; the assistant's is written at the same time and may finish first
-        if args[0].parent.name == "target" and not getattr(writer, "_stopped", False):
-            writer._stopped = True
+        if args[0].parent.name == "target" and not getattr(hashing, "_stopped", False):
+            hashing._stopped = True
             stop()
         return digest
-    pipeline.write_shard = write_shard
+    engine.write_shard = write_shard
 else:
     original_replace = os.replace
 
     def replace(src, dst):
-        staged = str(src).endswith(writer.PARTIAL_SUFFIX)
+        staged = str(src).endswith(staging.PARTIAL_SUFFIX)
         if point == "before-rename" and staged:
             stop()
         original_replace(src, dst)

@@ -155,7 +155,7 @@ def test_every_stage_folder_is_a_package_with_a_docstring():
 
 
 @pytest.mark.parametrize("imports, expected", [
-    ({"converter.plan": {"converter.write.writer"}, "converter.write.writer": set()}, "back up the pipeline"),
+    ({"converter.plan": {"converter.write.shard"}, "converter.write.shard": set()}, "back up the pipeline"),
     ({"converter.read.checkpoint": {"converter.pipeline"}, "converter.pipeline": set()}, "back up the pipeline"),
     ({"converter.proof.verify": {"converter.advice.report"}, "converter.advice.report": set()}, "sibling rooms"),
     ({"converter.pipeline": {"converter.testing.synthetic"}, "converter.testing.synthetic": set()}, "testing/"),

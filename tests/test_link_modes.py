@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from converter.write import writer
+from converter.write import placement
 
 WRITTEN = "written"
 
@@ -82,7 +82,7 @@ def test_per_layer_links_every_unchanged_file(pair, tmp_path, run_cli, link):
     assert shards and all(made[name] != WRITTEN for name in shards)  # per-layer changes no tensor
     assert _snapshot(pair) == before
     meaning = [line for line in result.err.splitlines() if line.startswith("NOTE: --link")]
-    assert len(meaning) == (1 if link in writer.LINK_MEANING else 0)  # said once, and only for the sharing modes
+    assert len(meaning) == (1 if link in placement.LINK_MEANING else 0)  # said once, and only for the sharing modes
 
 
 @pytest.mark.parametrize("link", ["hardlink", "symlink"])
@@ -181,7 +181,7 @@ def _supports_reflink(directory: Path) -> bool:
     probe = directory / f".reflink-probe-{uuid.uuid4().hex}"
     try:
         probe.write_bytes(b"x" * 4096)
-        return writer._reflink(probe, probe.with_name(probe.name + ".clone"))
+        return placement._reflink(probe, probe.with_name(probe.name + ".clone"))
     except OSError:
         return False
     finally:

@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 

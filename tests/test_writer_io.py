@@ -21,12 +21,12 @@ from converter.errors import InputError
 from converter.plan import ShardPlan, SourceSlice, TensorPlan
 from converter.read import sequential
 from converter.read.safetensors_header import TensorRef
-from converter.write import writer
+from converter.write import blocks, budget, hashing, headers, placement, render
+from converter.write.shard import write_shard
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(writer, "BLOCK_BYTES", 4096)
     monkeypatch.setattr(sequential, "BLOCK_BYTES", 4096)
 
 
@@ -97,7 +97,7 @@ def test_mapped_file_names_a_file_that_ends_early(tmp_path, small_blocks):
 @pytest.mark.parametrize("refuse_direct", [False, True])
 def test_hashing_writer_writes_every_byte_in_order(tmp_path, small_blocks, monkeypatch, refuse_direct):
     """Blocks are written by several threads at their own offsets; the file is the bytes in order."""
-    monkeypatch.setattr(writer, "WRITERS", 3)
+    monkeypatch.setattr(budget, "WRITERS", 3)
     out = tmp_path / "out.bin"
     pieces = [random.Random(i).randbytes(n) for i, n in enumerate((10, 4096, 1, 9000, 0, 4086, 12_289, 40_000))]
     refused, real = [], os.pwrite
@@ -107,10 +107,10 @@ def test_hashing_writer_writes_every_byte_in_order(tmp_path, small_blocks, monke
                 refused.append(offset)
                 raise OSError(errno.EINVAL, "Invalid argument")
             return real(fd, data, offset)
-        monkeypatch.setattr(writer.os, "pwrite", pwrite)
+        monkeypatch.setattr(blocks.os, "pwrite", pwrite)
     source_path, source_data = _payload(tmp_path, size=9000, seed=99)
     source = sequential.SourceFile(source_path)
-    with writer._HashingWriter(out) as writer_:
+    with hashing.HashingWriter(out) as writer_:
         for piece in pieces:
             writer_.write(piece)
         writer_.fill_from(source, 17, 8000)  # straight from the source into the staging blocks
@@ -129,9 +129,9 @@ def test_a_failing_write_is_raised_and_stops_the_writers(tmp_path, small_blocks,
     def pwrite(fd, data, offset):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    monkeypatch.setattr(blocks.os, "pwrite", pwrite)
     with pytest.raises(OSError, match="Input/output error"):
-        with writer._HashingWriter(tmp_path / "out.bin") as writer_:
+        with hashing.HashingWriter(tmp_path / "out.bin") as writer_:
             for _ in range(20):
                 writer_.write(b"x" * 4096)
             writer_.finish()
@@ -153,11 +153,11 @@ def test_write_shard_copies_ranges_and_renders_the_rest(tmp_path, small_blocks):
     shard = _shard(path, [5000, 0, 16_384, 1, 9000])
     transformed = dataclasses.replace(shard.tensors[2], action="transformed", transform="reverse")
     shard = dataclasses.replace(shard, tensors=shard.tensors[:2] + (transformed,) + shard.tensors[3:])
-    digest = writer.write_shard(tmp_path / "out.safetensors", shard, metadata={},
+    digest = write_shard(tmp_path / "out.safetensors", shard, metadata={},
                                 sources={path: sequential.SourceFile(path)},
                                 render=lambda t, raw, out: memoryview(bytes(raw[::-1])), on_bytes=lambda n: None)
     written = (tmp_path / "out.safetensors").read_bytes()
-    header = writer.shard_header(shard, {})
+    header = headers.shard_header(shard, {})
     pieces = [data[t.source.offset:t.source.offset + t.source.nbytes] for t in shard.tensors]
     pieces[2] = pieces[2][::-1]
     assert written == header + b"".join(pieces) and digest == hashlib.sha256(written).hexdigest()
@@ -172,7 +172,7 @@ def test_render_buffers_are_reused_across_shards_without_stale_bytes(tmp_path, s
     """Shards of one conversion share RenderBuffers: the second shard renders into the first one's buffers (same
     sizes), and every byte written is its own."""
     path, data = _payload(tmp_path)
-    buffers = writer.RenderBuffers()
+    buffers = render.RenderBuffers()
     handed_out = []
     original_get = buffers.get
     buffers.get = lambda n: handed_out.append(original_get(n)) or handed_out[-1]
@@ -180,10 +180,10 @@ def test_render_buffers_are_reused_across_shards_without_stale_bytes(tmp_path, s
         shard = _shard(path, sizes)
         shard = dataclasses.replace(shard, tensors=tuple(
             dataclasses.replace(t, action="transformed", transform="reverse") for t in shard.tensors))
-        writer.write_shard(tmp_path / name, shard, metadata={}, sources={path: sequential.SourceFile(path)},
+        write_shard(tmp_path / name, shard, metadata={}, sources={path: sequential.SourceFile(path)},
                            render=_reverse_into, on_bytes=lambda n: None, buffers=buffers)
         pieces = [data[t.source.offset:t.source.offset + t.source.nbytes][::-1] for t in shard.tensors]
-        assert (tmp_path / name).read_bytes() == writer.shard_header(shard, {}) + b"".join(pieces)
+        assert (tmp_path / name).read_bytes() == headers.shard_header(shard, {}) + b"".join(pieces)
     addresses = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in handed_out]
     assert len(set(addresses)) < len(addresses)  # some buffer was handed out twice
 
@@ -192,7 +192,7 @@ def test_read_errors_surface_and_no_thread_is_left(tmp_path, small_blocks):
     path, data = _payload(tmp_path, size=20_000)
     before = threading.active_count()
     with pytest.raises(InputError, match="ended .* bytes early"):
-        writer.write_shard(tmp_path / "a.safetensors", _shard(path, [15_000, 9000]), metadata={},
+        write_shard(tmp_path / "a.safetensors", _shard(path, [15_000, 9000]), metadata={},
                            sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(bytes(raw)),
                            on_bytes=lambda n: None)
     assert threading.active_count() == before
@@ -206,7 +206,7 @@ def test_an_interrupted_shard_stops_every_thread(tmp_path, small_blocks):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        writer.write_shard(tmp_path / "b.safetensors", _shard(path, [40_000]), metadata={},
+        write_shard(tmp_path / "b.safetensors", _shard(path, [40_000]), metadata={},
                            sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(bytes(raw)),
                            on_bytes=fail)
     assert threading.active_count() == before
@@ -228,25 +228,25 @@ def _evict(path: Path, start: int = 0, length: int = 0) -> None:
 def test_copy_file_is_exact_and_hashed_once_whatever_is_cached(tmp_path, small_blocks, monkeypatch, copier, evict,
                                                                 size):
     """O_DIRECT from the mapped source, else copy_file_range, else through buffers; one sha256 of the source."""
-    monkeypatch.setattr(writer, "COPY_RANGE_BYTES", 8192)
+    monkeypatch.setattr(placement, "COPY_RANGE_BYTES", 8192)
     used = []
     for name in ("_copy_from_mapping", "_copy_in_kernel", "_copy_through_buffers"):
-        def spy(src, destination, real=getattr(writer, name), name=name):
+        def spy(src, destination, real=getattr(placement, name), name=name):
             done = real(src, destination)
             used.append((name, done))
             return done
-        monkeypatch.setattr(writer, name, spy)
+        monkeypatch.setattr(placement, name, spy)
     if copier != "mapping":
-        monkeypatch.setattr(writer, "_open_for_writing",
-                            lambda path, real=writer._open_for_writing: real(path, direct=False))
+        monkeypatch.setattr(placement, "open_for_writing",
+                            lambda path, real=blocks.open_for_writing: real(path, direct=False))
     if copier == "buffers":
         def no_copy_range(*args):
             raise OSError(errno.EXDEV, "Invalid cross-device link")
-        monkeypatch.setattr(writer.os, "copy_file_range", no_copy_range)
+        monkeypatch.setattr(blocks.os, "copy_file_range", no_copy_range)
     path, data = _payload(tmp_path, size=size)
     if evict != "none":
         _evict(path, *((8192 + 100, 20_000) if evict == "middle" else ()))
-    digest = writer.copy_file(path, tmp_path / "copy.bin", expected_size=size)
+    digest = placement.copy_file(path, tmp_path / "copy.bin", expected_size=size)
     assert (tmp_path / "copy.bin").read_bytes() == data and digest == hashlib.sha256(data).hexdigest()
     copied_by = next(name for name, done in used if done)
     expected = {"mapping": "_copy_from_mapping", "kernel": "_copy_in_kernel", "buffers": "_copy_through_buffers"}
@@ -258,7 +258,7 @@ def test_copy_file_is_exact_and_hashed_once_whatever_is_cached(tmp_path, small_b
 
 def _direct_io_works(directory: Path) -> bool:
     try:
-        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | writer._O_DIRECT))
+        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | blocks.O_DIRECT))
         return True
     except OSError:
         return False
@@ -270,20 +270,20 @@ def test_copy_from_a_source_that_shrinks_midway_is_an_input_error(tmp_path, smal
     path, data = _payload(tmp_path, size=200_000)
     if not _direct_io_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")
-    real = writer._write_mapped
+    real = placement._write_mapped
 
     def truncate_then_write(mapping, fd, name):
         os.truncate(path, 10_000)
         real(mapping, fd, name)
-    monkeypatch.setattr(writer, "_write_mapped", truncate_then_write)
+    monkeypatch.setattr(placement, "_write_mapped", truncate_then_write)
     with pytest.raises(InputError, match="source.bin: .*changed while converting"):
-        writer.copy_file(path, tmp_path / "copy.bin", expected_size=len(data))
+        placement.copy_file(path, tmp_path / "copy.bin", expected_size=len(data))
 
 
 def test_copy_file_refuses_a_source_that_changed_size(tmp_path, small_blocks):
     path, data = _payload(tmp_path, size=10_000)
     with pytest.raises(InputError, match="source.bin: is 10000 bytes, 12000 when its header was read"):
-        writer.copy_file(path, tmp_path / "copy.bin", expected_size=12_000)
+        placement.copy_file(path, tmp_path / "copy.bin", expected_size=12_000)
 
 
 def test_source_file_reads_every_byte_when_part_of_it_is_cached(tmp_path, small_blocks):
@@ -309,12 +309,12 @@ def test_hashing_ahead_hashes_every_file_and_names_a_changed_size(tmp_path, monk
         files[path.rename(tmp_path / f"f{index}")] = data
     from contextlib import ExitStack
     with ExitStack() as stack:
-        pending = sequential.hashing_ahead({path: len(data) for path, data in files.items()}, stack)
+        pending = sequential.hashing_ahead({path: len(data) for path, data in files.items()}, stack, threads=2)
         assert {path: p.result() for path, p in pending.items()} == \
             {path: hashlib.sha256(data).hexdigest() for path, data in files.items()}
     short = tmp_path / "f2"
     with ExitStack() as stack:
-        pending = sequential.hashing_ahead({short: len(files[short]) + 1}, stack)
+        pending = sequential.hashing_ahead({short: len(files[short]) + 1}, stack, threads=2)
         with pytest.raises(InputError, match=f"f2: is {len(files[short])} bytes, {len(files[short]) + 1} when"):
             pending[short].result()
 
@@ -327,7 +327,7 @@ def test_hashing_stopped_before_it_started_raises_instead_of_waiting(tmp_path, m
         paths[path.rename(tmp_path / f"g{index}")] = len(data)
     from contextlib import ExitStack
     stack = ExitStack()
-    pending = sequential.hashing_ahead(paths, stack)
+    pending = sequential.hashing_ahead(paths, stack, threads=2)
     stack.close()  # stops the thread: whatever it had not started must not block result() forever
     for item in pending.values():
         try:
@@ -339,8 +339,8 @@ def test_hashing_stopped_before_it_started_raises_instead_of_waiting(tmp_path, m
 def test_copy_bytes_copies_writable_and_read_only_sources(tmp_path):
     target = memoryview(sequential.page_aligned_buffer(4096))
     writable = bytearray(random.Random(1).randbytes(1000))
-    writer._copy_bytes(target[10:1010], memoryview(writable))
+    blocks.copy_bytes(target[10:1010], memoryview(writable))
     assert bytes(target[10:1010]) == bytes(writable) and bytes(target[:10]) == bytes(10)
     frozen = random.Random(2).randbytes(500)
-    writer._copy_bytes(target[:500], memoryview(frozen))
+    blocks.copy_bytes(target[:500], memoryview(frozen))
     assert bytes(target[:500]) == frozen

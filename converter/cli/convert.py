@@ -15,7 +15,7 @@ from ..layouts.base import layout_offering
 from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertJob, ConvertResult, PreparedConversion, convert,
                         serve_command)
 from ..plan import parse_size
-from ..write.writer import LINK_MEANING, LINK_MODES
+from ..write.placement import LINK_MEANING, LINK_MODES
 from ._common import PATH, LayoutChoice, hub_api_for, kv_cost_lines, serving_env, serving_options
 
 

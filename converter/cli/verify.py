@@ -10,7 +10,7 @@ from ..errors import UsageError, VerificationFailed
 from ..hub.download import LocalSource
 from ..proof.verify import VerifyReport, VerifyRequest, load_pairs, verify
 from ..read.checkpoint import VERIFICATION_NAME
-from ..write.writer import write_json
+from ..write.staging import write_json
 from ._common import PATH, SOURCE, resolve_cli_source
 
 

@@ -212,8 +212,8 @@ class BackgroundSha256(PendingSha256):
         self.stop()
 
 
-def hashing_ahead(files: dict[Path, int], stack) -> dict[Path, PendingSha256]:
-    """A PendingSha256 for each of `files` (path -> size), hashed by as many threads as the process may use cores,
+def hashing_ahead(files: dict[Path, int], stack, *, threads: int) -> dict[Path, PendingSha256]:
+    """A PendingSha256 for each of `files` (path -> size), hashed by `threads` threads (write/budget.py),
     largest file first (so the last to finish is a small one), the threads stopped when `stack` closes.
 
     Started before the first byte is copied or rewritten: the copies are disk-bound, so the hashes of every file
@@ -233,7 +233,7 @@ def hashing_ahead(files: dict[Path, int], stack) -> dict[Path, PendingSha256]:
                 return
 
     threads = [threading.Thread(target=work, name="sha256 ahead", daemon=True)
-               for _ in range(min(len(pending), max(1, len(os.sched_getaffinity(0)))))]
+               for _ in range(min(len(pending), max(1, threads)))]
     for thread in threads:
         thread.start()
 

@@ -1,0 +1,88 @@
+"""The output directory: built under a staging name beside DST, fsynced, renamed into place; JSON files."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..errors import OutputError
+from .durable import fsync_directory, fsync_tree, write_bytes_durably
+
+
+PARTIAL_SUFFIX = ".gemma4-convert-partial"
+
+
+RETIRED_SUFFIX = ".gemma4-convert-old"  # an output --force replaces, until the new one is in place
+
+
+def make_directory(path: Path) -> None:
+    """mkdir -p; out of space or inodes is an OutputError like any other write."""
+    with output_errors(path):
+        path.mkdir(parents=True, exist_ok=True)
+
+
+def write_json(path: Path, document: Any) -> str:
+    """Writes pretty JSON (fsynced); returns its sha256."""
+    raw = (json.dumps(document, indent=2) + "\n").encode("utf-8")
+    with output_errors(path):
+        write_bytes_durably(path, raw)
+    return hashlib.sha256(raw).hexdigest()
+
+
+@contextmanager
+def output_errors(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise OutputError(f"{path}: no space left on device") from exc
+        raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from exc
+
+
+def partial_dir(destination: Path) -> Path:
+    """Where an output is assembled before the final rename: beside it, so the rename stays on one filesystem."""
+    return destination.parent / f".{destination.name}{PARTIAL_SUFFIX}"
+
+
+@contextmanager
+def staged_directory(destination: Path, *, replace: bool) -> Iterator[Path]:
+    """Yields an empty staging dir; on success it becomes `destination` in one rename, on failure it is removed.
+
+    A staging dir left by a killed run is removed first, so a re-run starts clean. With `replace`, the old
+    destination is renamed aside, the new one renamed in, then the old one deleted; if the second rename fails
+    the old one is renamed back.
+    """
+    staging = partial_dir(destination)
+    with output_errors(staging):
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    retired = destination.parent / f".{destination.name}{RETIRED_SUFFIX}"
+    moved_aside = False
+    try:
+        with output_errors(destination):
+            fsync_tree(staging)  # every entry of the new tree is on disk before its name appears
+            if destination.exists() and replace:
+                shutil.rmtree(retired, ignore_errors=True)
+                os.replace(destination, retired)
+                moved_aside = True
+            os.replace(staging, destination)
+    except BaseException:
+        if moved_aside:
+            os.replace(retired, destination)  # the earlier output goes back; nothing half-swapped stays
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    with output_errors(destination.parent):
+        fsync_directory(destination.parent)  # the rename itself (after the swap: a failure here undoes nothing)
+    shutil.rmtree(retired, ignore_errors=True)  # also an earlier output that a run killed mid-swap left there
