@@ -1,18 +1,22 @@
-"""Shared fixtures: seeded tiny synthetic checkpoints with real Gemma 4 ratios, and a CLI runner."""
+"""Shared fixtures: seeded tiny synthetic checkpoints with real Gemma 4 ratios, a CLI runner, the litter check.
+
+Fixtures only: helpers the tests call live in tests/_*.py modules (tests never import this file)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors import safe_open
 
 from converter.cli import main
 from converter.testing.synthetic import tiny_preset, write_checkpoint, write_pair
+
+from _checkout import checkout_changes
+
+# fixtures shared by a family of test files, kept beside the fakes they serve: offline_hub, sources, converted
+pytest_plugins = ("_hub_fakes",)
 
 
 @dataclass(frozen=True)
@@ -84,56 +88,7 @@ def all_shared_kv_modes(monkeypatch):
     monkeypatch.setattr(Gemma4TextConfig, "kv_sharing_modes", property(kv_sharing_modes))
 
 
-def cast_like_from_pretrained(model, dtype):
-    """Casts like from_pretrained(dtype=...): parameters and buffers, but RoPE inv_freq stays fp32."""
-    keep = {n: b.clone() for n, b in model.named_buffers() if "inv_freq" in n}
-    model.to(dtype)
-    for name, buffer in keep.items():
-        owner, attr = name.rsplit(".", 1)
-        setattr(model.get_submodule(owner), attr, buffer)
-    return model
-
-
-def load_tensors(directory: Path) -> dict:
-    """Every tensor of a checkpoint directory (test sizes only)."""
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            for name in handle.keys():
-                tensors[name] = handle.get_tensor(name)
-    return tensors
-
-
-def same_bytes(a, b) -> bool:
-    """The same dtype, shape and bytes (fp8 and packed codes included, -0.0 and NaN payloads told apart)."""
-    return a.dtype == b.dtype and a.shape == b.shape and a.contiguous().view(torch.uint8).equal(
-        b.contiguous().view(torch.uint8))
-
-
-def read_config(directory: Path) -> dict:
-    return json.loads((directory / "config.json").read_text())
-
-
-def text_config(config: dict) -> dict:
-    return config.get("text_config", config)
-
-
 # ------------------------------------------------------------------------------------------ a run leaves no litter
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def checkout_changes(root: Path = REPO_ROOT) -> set[str] | None:
-    """`git status --porcelain` lines of the checkout (untracked files one by one); None outside a git checkout."""
-    import subprocess
-
-    try:
-        proc = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all"],
-                              capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return set(proc.stdout.splitlines()) if proc.returncode == 0 else None
-
 
 def pytest_sessionstart(session):
     session.config._checkout_before = checkout_changes()

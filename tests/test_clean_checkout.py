@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import checkout_changes
+from _checkout import checkout_changes
 
 REPO = Path(__file__).resolve().parents[1]
 

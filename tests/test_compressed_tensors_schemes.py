@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import load_tensors, read_config, same_bytes
+from _checkpoints import load_tensors, read_config, same_bytes
 from converter.proof.numerics import dequantize
 from converter.testing.synthetic import (config_scheme, fp8_quantization_config, int8_quantization_config,
                                          tiny_preset, w4a16_quantization_config, write_pair)

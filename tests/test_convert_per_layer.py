@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_tensors, read_config, text_config
+from _checkpoints import load_tensors, read_config, text_config
 from converter.gemma4 import ALLOW_GLOBAL_ACCESS, DUAL_KEYS, GEOMETRY_KEYS, GLOBAL_ALIASES
 
 PRESET_CASES = [("31b", {"num_shards": 2}), ("26b-a4b", {"multimodal": False}), ("e2b", {"multimodal": False}),

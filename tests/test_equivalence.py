@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import cast_like_from_pretrained
+from _models import cast_like_from_pretrained
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from transformers.models.gemma4_assistant.configuration_gemma4_assistant import Gemma4AssistantConfig

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import load_tensors, read_config, same_bytes
+from _checkpoints import load_tensors, read_config, same_bytes
 from converter.testing.synthetic import fp8_quantization_config, tiny_preset, write_pair
 from converter.transforms import pad_head_columns, pad_head_rows, replicate_kv_heads
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import read_config, text_config
+from _checkpoints import read_config, text_config
 
 LAYOUT_CASES = [("31b", {}), ("26b-a4b", {"multimodal": False}), ("e2b", {"multimodal": False}),
                 ("e4b", {"multimodal": False})]

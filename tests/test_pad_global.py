@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import load_tensors, read_config, text_config
+from _checkpoints import load_tensors, read_config, text_config
 from converter.transforms import pad_head_columns, pad_head_norm, pad_head_rows, replicate_kv_heads
 
 

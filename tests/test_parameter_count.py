@@ -20,7 +20,7 @@ from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.testing.cases import build_loader_case
 from converter.testing.synthetic import fp8_quantization_config, tiny_preset, write_pair
 
-from conftest import load_tensors
+from _checkpoints import load_tensors
 
 
 def weights_in(directory: Path) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import cast_like_from_pretrained as to_dtype
+from _models import cast_like_from_pretrained as to_dtype
 from transformers import Gemma4TextConfig
 from transformers.cache_utils import KVSharingDict
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import load_tensors, read_config, text_config
+from _checkpoints import load_tensors, read_config, text_config
 from converter.gemma4 import FULL, read_spec
 from converter.testing.synthetic import (assistant_config, modelopt_nvfp4_config, scaled_preset, target_config,
                                          tiny_preset, write_pair)

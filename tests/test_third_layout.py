@@ -17,7 +17,7 @@ from converter.layouts import base, get_layout, layout_names
 from converter.layouts.base import Layout, explicit_geometry, kept, register_layout
 from converter.pipeline import ConvertRequest, plan_conversion
 
-from conftest import load_tensors, read_config, same_bytes, text_config
+from _checkpoints import load_tensors, read_config, same_bytes, text_config
 
 NAME = "mirror"
 

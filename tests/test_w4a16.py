@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import load_tensors, read_config
+from _checkpoints import load_tensors, read_config
 from converter.testing.synthetic import tiny_preset, w4a16_quantization_config, write_pair
 
 
