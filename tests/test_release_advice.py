@@ -144,3 +144,24 @@ def test_the_tables_hub_columns_are_what_convert_chooses(originals, run_cli, tmp
             assert serves == (column == NO_CONVERSION), (line["vllm"], case, result.out)
             if not serves:
                 assert chosen[0].startswith(f"chosen: --layout {column}: "), (line["vllm"], case, chosen)
+
+
+def test_where_no_row_answers_the_rules_do_and_say_predicted(originals, run_cli, tmp_path):
+    """A release the ledger never ran (0.40.0, past its newest): the rules answer (vLLM >= 0.28 reads per-layer-type
+    geometry itself), the decision says "predicted", never "measured"; convert's chosen line says so too."""
+    assert "0.40.0" not in {r.vllm for r in load_ledger()}
+    target = originals["31b-mm-2shards"] / "target"
+    rec = json.loads(run_cli("inspect", target, "--serving", "vllm==0.40.0", "--json").out)["recommendation"]
+    assert (rec["layout"], rec["basis"], rec["proven"]) == (NO_CONVERSION, "predicted", False), rec
+    assert "predicted from the rules" in rec["why"] and "measured" not in rec["why"].replace("not measured", "")
+    assert rec["environment"]["tested"] is False
+    measured = json.loads(run_cli("inspect", target, "--serving", "vllm==0.22.1", "--json").out)["recommendation"]
+    assert measured["basis"] == "measured" and "predicted" not in measured["why"]
+    source = originals["31b-mm-2shards"]
+    result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
+                     "--out", tmp_path / "out", "--serving", "vllm==0.40.0", "--dry-run")
+    assert result.code == 0, result.err
+    chosen = [line for line in result.out.splitlines() if line.startswith("chosen: --layout ")]
+    assert len(chosen) == 1 and "predicted from the rules" in chosen[0] and "measured:" not in chosen[0]
+    nothing = json.loads(run_cli("inspect", target, "--serving", "vllm==0.20.0", "--json").out)["recommendation"]
+    assert nothing["layout"] is None and nothing["basis"] is None  # neither rows nor rules answer before 0.21

@@ -321,9 +321,20 @@ def _decide_for(shape: Shape, asked: ServingEnv) -> Decision:
                 _explain(layout, candidates, env) + other_transformers,
                 alternative=Alternative(following.name, _fallback_when(layout, releases_where(after)[1]))
                 if following else None, **where)
-    for layout, after in candidates:
-        rules = [predict(after.form, generation, mixed_kv_heads=after.kv_heads == KV_MIXED)
-                 for generation in _generations(env)]
+    predicted = [(layout, [predict(after.form, generation, mixed_kv_heads=after.kv_heads == KV_MIXED)
+                           for generation in _generations(env)]) for layout, after in candidates]
+    as_is = [predict(shape.form, generation, mixed_kv_heads=shape.kv_heads == KV_MIXED) for generation in
+             _generations(env)]
+    if all(rule.outcome == "loads" for rule in as_is):
+        writes = next((layout for layout, rules in predicted if all(r.outcome == "loads" for r in rules)),
+                      candidates[0][0])
+        return Decision(NO_CONVERSION, f"with {env.label()}{patch} no row of the ledger answers ({now.detail}); "
+                        f"predicted from the rules: it serves as it is ({as_is[0].detail})", PREDICTED, False,
+                        writes.name, f"{writes.name}: predicted from the rules for {env.label()}, not measured; "
+                        "check the output there: make vllm-check",
+                        serves_as_is=f"the rules predict the source serves as it is with {env.label()} (not "
+                                     "measured)", **where)
+    for layout, rules in predicted:
         if all(rule.outcome == "loads" for rule in rules):
             return Decision(
                 layout.name, f"with {env.label()}{patch} no row of the ledger answers ({now.detail}); predicted "
