@@ -366,10 +366,10 @@ def _pair_published_assistant(job: ConvertJob, sources: dict[Role, LocalSource],
     ref = parse_repo_ref(job.sources.get(role, ""))
     if ref is None or Role.ASSISTANT in job.sources or opened[role].spec.role != ROLE_TARGET:
         return None
-    repo_id, found = published_assistant(ref, api=api)
+    repo_id, found, checkpoint = published_assistant(ref, api=api)
     if role is Role.SINGLE:
         sources[Role.TARGET], opened[Role.TARGET] = sources.pop(role), opened.pop(role)
-    sources[Role.ASSISTANT], opened[Role.ASSISTANT] = found, open_checkpoint(found)
+    sources[Role.ASSISTANT], opened[Role.ASSISTANT] = found, checkpoint
     return repo_id, ref.repo_id
 
 

@@ -62,6 +62,45 @@ def test_the_found_assistant_is_converted_beside_its_target(sources, tmp_path, m
     assert f"--speculative-config '{{\"method\": \"mtp\", \"model\": \"{out / 'assistant'}\"" in result.out
 
 
+def _count_opens_and_plans(monkeypatch) -> dict:
+    """Counts, per source directory, every Checkpoint opened (local or Hub headers) and every plan made."""
+    import converter.hub.download as download
+    import converter.pipeline as pipeline
+
+    counts: dict = {"plans": 0}
+    real_open, real_plan = download.open_checkpoint, pipeline.plan_conversion
+
+    def opening(source):
+        counts[source.path] = counts.get(source.path, 0) + 1
+        return real_open(source)
+
+    def planning(request):
+        counts["plans"] += 1
+        return real_plan(request)
+    for module in (download, pipeline):
+        monkeypatch.setattr(module, "open_checkpoint", opening)
+    monkeypatch.setattr(pipeline, "plan_conversion", planning)
+    monkeypatch.setattr(pipeline, "read_checkpoint", lambda path: pytest.fail(f"{path} read again"))
+    return counts
+
+
+@pytest.mark.parametrize("hub", [True, False], ids=["hub-target-alone", "local-pair"])
+def test_each_source_is_opened_and_planned_once(sources, tmp_path, monkeypatch, run_cli, hub):
+    """convert (pipeline.convert): each source opened once, the published assistant included, one plan; the Hub
+    weights then downloaded at the commit planned from, under the one lock."""
+    if hub:
+        _online(monkeypatch, tmp_path, {TARGET_REPO: sources / "target", ASSISTANT_REPO: sources / "assistant"})
+        args = (TARGET_REPO,)
+    else:
+        args = ("--target", sources / "target", "--assistant", sources / "assistant")
+    counts = _count_opens_and_plans(monkeypatch)
+    result = run_cli("convert", *args, "--out", tmp_path / "out", "--serving", "vllm==0.22.1")
+    assert result.code == 0, result.err
+    opened = {path: n for path, n in counts.items() if path != "plans"}
+    assert len(opened) == 2 and set(opened.values()) == {1} and counts["plans"] == 1, counts
+    assert (tmp_path / "out" / "assistant" / MANIFEST_NAME).is_file()
+
+
 def test_a_missing_published_assistant_is_one_line_exit_5_before_any_download(sources, tmp_path, monkeypatch,
                                                                                run_cli):
     api = _online(monkeypatch, tmp_path, {TARGET_REPO: sources / "target"})

@@ -287,12 +287,12 @@ def open_checkpoint(source: LocalSource) -> Checkpoint:
 ASSISTANT_SUFFIX = "-assistant"  # how Google names the MTP assistant published beside a target
 
 
-def published_assistant(target: RepoRef, *, api: Any = None) -> tuple[str, LocalSource]:
+def published_assistant(target: RepoRef, *, api: Any = None) -> tuple[str, LocalSource, Checkpoint]:
     """The assistant published beside a Hub target, `OWNER/NAME` -> `OWNER/NAME-assistant` at its default branch:
     its config and small files fetched, its shard headers read; no weight is downloaded.
 
     Returns:
-        (repo id, LocalSource with purpose "headers").
+        (repo id, LocalSource with purpose "headers", its Checkpoint as opened to check what it is).
 
     Raises:
         HubError: no such repo (or not reachable, or not cached offline), or it is not a gemma4_assistant; the
@@ -302,9 +302,9 @@ def published_assistant(target: RepoRef, *, api: Any = None) -> tuple[str, Local
     remedy = "give --assistant OWNER/NAME (or a directory), or --target-only to convert the target alone"
     try:
         source = resolve_source(repo_id, purpose="headers", api=api)
-        spec = open_checkpoint(source).spec
+        checkpoint = open_checkpoint(source)
     except (HubError, InputError) as exc:
         raise HubError(f"no assistant found for {target.text}: {exc}; {remedy}") from exc
-    if spec.role != ROLE_ASSISTANT:
-        raise HubError(f"{repo_id} is a {spec.kind}, not a gemma4_assistant; {remedy}")
-    return repo_id, source
+    if checkpoint.spec.role != ROLE_ASSISTANT:
+        raise HubError(f"{repo_id} is a {checkpoint.spec.kind}, not a gemma4_assistant; {remedy}")
+    return repo_id, source, checkpoint
