@@ -14,7 +14,7 @@ from ..layouts import layouts_in_preference
 from .evidence import Shape
 from .serving import NO_CONVERSION, ServingEnv, decide
 from .ledger import (  # noqa: F401  (the rows, re-exported for scripts/ and tests/)
-    CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE, INSTALL_LAYOUT,
+    CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE, INSTALL_LAYOUT,
     LEDGER_PATH, LEDGER_VERSION, LOADER_CASE_CONSUMERS, ORIGINAL, LedgerRow, NOT_RUN, PASS,
     VERDICTS, VLLM, checks_loader_cases, ledger_document, load_ledger,
     row_from_dict, sorted_rows, stale_rows, version_key)
@@ -110,29 +110,67 @@ def render_release_markdown(rows: Iterable[LedgerRow]) -> str:
 
 def consumer_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     """One line per consumer other than vLLM and its release: per variant, rows passed of run (the first failure's
-    detail), the cases checked."""
+    detail), the cases checked, and `drafting` (drafting_cells)."""
     rows = [r for r in rows if r.consumer != VLLM]
     lines = []
     for consumer, version in sorted({(r.consumer, r.consumer_version) for r in rows},
                                     key=lambda cv: (cv[0], version_key(cv[1]))):
         mine = [r for r in rows if (r.consumer, r.consumer_version) == (consumer, version)]
-        cells = _variant_cells(mine, failure=lambda r: r.detail)
-        notes = sorted({r.detail for r in mine if r.verdict == PASS and r.detail})
+        loading = [r for r in mine if r.check == CHECK_CONSUMER]
+        cells = _variant_cells(loading, failure=lambda r: r.detail)
+        notes = sorted({r.detail for r in loading if r.verdict == PASS and r.detail})
         lines.append({"consumer": consumer, "version": version, "cases": sorted({r.case for r in mine}),
                       "transformers": sorted({r.transformers for r in mine if r.transformers}, key=version_key),
-                      **cells,
+                      **cells, "drafting": drafting_cells(mine),
                       "notes": notes, "measured": max(r.measured for r in mine)})
     return lines
 
 
+ASSISTED = "assisted_identical"  # a consumer row's figure: generation with the assistant drafting gave the same tokens
+
+
+def proves_drafting(row: LedgerRow) -> bool | None:
+    """Whether a row shows the assistant drafting as the original pair's does (True), not doing so (False), or says
+    nothing of drafting (None): a `draft` row by its verdict, a consumer row by its assisted-generation figure."""
+    if row.check == CHECK_DRAFT:
+        return row.verdict == PASS
+    if row.check == CHECK_CONSUMER and ASSISTED in row.figures and row.figures.get("assistant_error") is None:
+        return bool(row.figures[ASSISTED]) and row.verdict == PASS
+    return None
+
+
+def drafting_cells(rows: list[LedgerRow]) -> dict[str, Any]:
+    """{variant: {passed, rows}} of the rows that say whether the assistant drafts (proves_drafting), and `controls`:
+    {failed, rows} of the negative controls a `draft` check runs beside them (they must fail); {} where no row says."""
+    saying = [r for r in rows if proves_drafting(r) is not None]
+    cells: dict[str, Any] = {}
+    for variant in variants():
+        mine = [r for r in saying if r.variant == variant]
+        if mine:
+            cells[variant] = {"passed": sum(bool(proves_drafting(r)) for r in mine), "rows": len(mine)}
+    controls = [r for r in saying if r.variant not in variants() and r.expected == FAIL]
+    if controls:
+        cells["controls"] = {"failed": sum(r.verdict == FAIL for r in controls), "rows": len(controls)}
+    return cells
+
+
+def _drafting_text(cells: dict[str, Any]) -> str:
+    """"per-layer 3/3, pad-global 3/3 (controls fail 6/6)", or "-"."""
+    parts = [f"{v} {c['passed']}/{c['rows']}" for v, c in cells.items() if v != "controls"]
+    controls = cells.get("controls")
+    return (", ".join(parts) + (f" (controls fail {controls['failed']}/{controls['rows']})" if controls else "")
+            ) or "-"
+
+
 def render_consumer_markdown(rows: Iterable[LedgerRow]) -> str:
     """The other consumers' table of docs/COMPATIBILITY.md (generated from the ledger)."""
-    out = [f"| consumer | release | {' | '.join(variants())} | cases | noted |",
-           "|---|---" + "|---" * len(variants()) + "|---|---|"]
+    out = [f"| consumer | release | {' | '.join(variants())} | drafting with the assistant | cases | noted |",
+           "|---|---" + "|---" * len(variants()) + "|---|---|---|"]
     for line in consumer_table(rows):
         notes = "; ".join(line["notes"]).replace("|", "\\|") or "-"
         cells = " | ".join(_markdown_cell(line[key]) for key in variants())
-        out.append(f"| {line['consumer']} | {line['version']} | {cells} | {', '.join(line['cases'])} | {notes} |")
+        out.append(f"| {line['consumer']} | {line['version']} | {cells} | {_drafting_text(line['drafting'])} | "
+                   f"{', '.join(line['cases'])} | {notes} |")
     return "\n".join(out) + "\n"
 
 
@@ -166,6 +204,7 @@ def render_table(rows: Iterable[LedgerRow]) -> str:
     table = "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in (header, *body))
     others = [f"{c['consumer']} {c['version']}: " + ", ".join(f"{v} {c[v]['passed']}/{c[v]['rows']}"
                                                               for v in variants())
+              + (f"; drafting: {_drafting_text(c['drafting'])}" if c["drafting"] else "")
               for c in consumer_table(rows)]
     return table + ("\n\nother consumers:\n" + "\n".join("  " + line for line in others) if others else "")
 
@@ -222,7 +261,11 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
            "runtime equal to the original's, the draft's KV geometry equal to the target layer it reads; SGLang's "
            "config reading and loaders on CPU (every tensor equal to the checkpoint's, the draft's KV geometry equal "
            "to the target layer it reads, no forward). An original "
-           "row that fails is the consumer's own limit; the layouts' rows then show they fail the same way.", "",
+           "row that fails is the consumer's own limit; the layouts' rows then show they fail the same way. "
+           "\"Drafting with the assistant\": the rows that run the pair with the assistant drafting, per variant "
+           "(transformers: greedy `generate(assistant_model=...)` giving the original's tokens; a `draft` row: the "
+           "consumer's own speculative decoding, its tokens and every draft it exposes equal to the original "
+           "pair's, beside negative controls that must fail); `-` where no row of the consumer drafts.", "",
            render_consumer_markdown(rows).rstrip("\n"), "",
            "## Summary", "", "| layout | check | vLLM | transformers | TP | passed | as predicted | measured |",
            "|---|---|---|---|---|---|---|---|"]

@@ -24,6 +24,9 @@ CHECK_INSTALL = "install"
 # another consumer of an uploaded pair (row.consumer: transformers, ...) loads it and computes what it computes for
 # the original (tests/test_consumer_*.py)
 CHECK_CONSUMER = "consumer"
+# a consumer runs the pair with the assistant drafting (llama.cpp's server, ...): greedy tokens and every draft the
+# consumer exposes compared with the original pair's in the same run (tests/test_consumer_llamacpp.py)
+CHECK_DRAFT = "draft"
 VLLM = "vllm"
 INSTALL_CASE, INSTALL_LAYOUT = "gemma4-convert", "tool"
 PASS, FAIL = "pass", "fail"
@@ -97,7 +100,7 @@ def row_from_dict(data: Mapping[str, Any], *, where: str) -> LedgerRow:
                          f"or unknown keys {unknown}")
     row = LedgerRow(**{k: data[k] for k in names if k in data})
     if row.verdict not in VERDICTS or row.expected not in VERDICTS or row.check not in (
-            CHECK_LOADER, CHECK_ENGINE, CHECK_INSTALL, CHECK_CONSUMER):
+            CHECK_LOADER, CHECK_ENGINE, CHECK_INSTALL, CHECK_CONSUMER, CHECK_DRAFT):
         raise InputError(f"{where}: ledger row {row.case}/{row.variant}: verdict, expected or check out of range")
     return row
 

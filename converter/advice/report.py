@@ -12,13 +12,15 @@ from typing import Any
 from ..cost import kv_costs
 from ..parallel import kv_bytes_per_token_per_rank, layer_type_geometry, tp_problems
 from ..errors import InputError
-from ..gemma4 import DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ModelSpec, parse_moe_name
+from ..gemma4 import (DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ROLE_ASSISTANT, ROLE_TARGET, ModelSpec,
+                      parse_moe_name)
 from ..layouts import Layout, default_layout, layout_names, layouts_in_preference
 from ..layouts.base import layout_from_manifest
 from ..quantization import weight_scheme
-from ..read.checkpoint import Checkpoint
+from ..read.checkpoint import MANIFEST_NAME, Checkpoint
 from ..validate import (AttentionTensor, attention_problems, checkpoint_problems, expected_shape,
                         find_attention_tensors)
+from .consumers import drafting_proofs
 from .pitfalls import serving_pitfalls
 from .serving import (KV_MIXED, VLLM_027_OLD, ServingEnv, measured, predict, recommend, releases_where, shape_of,
                       vllm_027_new)
@@ -73,7 +75,24 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
         "tensor_parallel": parallel,
         "weight_bytes": _weight_bytes(checkpoint, attention_tensors),
         "kv_cache_bytes_per_token": _kv_cache_bytes(spec),
+        "drafting": _drafting(checkpoint),
     }
+
+
+def _drafting(checkpoint: Checkpoint) -> list[dict[str, Any]]:
+    """For an output of this tool: each consumer the ledger proves running its layout's pair with the assistant
+    drafting, with the command for this output (the card lists the same); [] for anything else."""
+    manifest = checkpoint.manifest or {}
+    if manifest.get("tool") != "gemma4-convert" or manifest.get("layout") not in layout_names():
+        return []
+    layout = layout_from_manifest(manifest)
+    role, partner = (ROLE_TARGET, ROLE_ASSISTANT) if checkpoint.spec.role == ROLE_TARGET else \
+        (ROLE_ASSISTANT, ROLE_TARGET)
+    sibling = checkpoint.path.parent / partner
+    other = str(sibling) if (sibling / MANIFEST_NAME).is_file() else f"<{partner.upper()} converted the same way>"
+    paths = {role: str(checkpoint.path), partner: other}
+    return [proof.document(paths[ROLE_TARGET], paths[ROLE_ASSISTANT], layout.name)
+            for proof in drafting_proofs(layout.variant)]
 
 
 def layout_key(layout: Layout) -> str:

@@ -95,6 +95,9 @@ def render(report: dict[str, Any]) -> None:
         click.echo(f"    risk: {report['stock_vllm']['silent_truncation_risk']}")
     render_recommendation(report["recommendation"])
     render_costs(report)
+    for proof in report["drafting"]:
+        click.echo(f"  drafts in {proof['consumer']} {', '.join(proof['versions'])} ({proof['rows']} ledger rows): "
+                   + proof["command"].splitlines()[-1])
     if report["tensor_parallel"]:
         render_tensor_parallel(report["tensor_parallel"])
 

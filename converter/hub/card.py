@@ -17,6 +17,7 @@ import yaml
 
 from .. import __version__
 from ..advice.compat import consumer_table, load_ledger, summarize
+from ..advice.consumers import command_language, drafting_command, drafting_proofs
 from ..cost import human_bytes, kv_costs
 from ..errors import InputError, UsageError
 from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
@@ -54,6 +55,8 @@ def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] 
         f"## Layout: {variant}\n\n{_layout_text(layout)}",
         _serve_section(role, layout, str(manifest.get("layout")), target_repo, assistant_repo,
                        manifest.get("tensor_parallel_size")),
+        *([_drafting_section(variant, str(manifest.get("layout")), target_repo, assistant_repo)]
+          if layout is not None else []),
         _proof_section(variant),
         f"## KV-cache cost\n\n{_kv_text(manifest, role, layout)}",
         _verification_section(verification),
@@ -125,6 +128,24 @@ def _serve_section(role: str, layout: Layout | None, recorded: str, target_repo:
         lines.append(f"\n{layout.serve_note}")
     lines.append(f"\n{RESAVE_NOTE}")
     return "\n".join(lines)
+
+
+def _drafting_section(variant: str, recorded: str, target_repo: str | None, assistant_repo: str | None) -> str:
+    """Each consumer the ledger proves running this layout's pair with the assistant drafting: the command, and the
+    rows behind it (advice/consumers.py; `inspect` of the output lists the same)."""
+    proofs = drafting_proofs(variant)
+    if not proofs:
+        return ("## Run the pair with its assistant drafting\n\nThis version of gemma4-convert records no run of this "
+                "layout with the assistant drafting (`gemma4-convert compat`).")
+    target = target_repo or "<TARGET converted the same way>"
+    assistant = assistant_repo or "<ASSISTANT converted the same way>"
+    parts = ["## Run the pair with its assistant drafting\n\nWhere the compatibility ledger ran this layout's pair "
+             "with the assistant drafting and got the original pair's greedy tokens (and, in vLLM's engine and "
+             "llama.cpp's server, its every draft), on synthetic pairs with Gemma 4's real names and ratios:"]
+    for proof in proofs:
+        parts.append(f"**{proof.consumer}**: {proof.evidence()}\n\n```{command_language(proof.consumer)}\n"
+                     f"{drafting_command(proof.consumer, target, assistant, recorded)}\n```")
+    return "\n\n".join(parts)
 
 
 RESAVE_NOTE = ("Use and re-upload `config.json` as it is: re-saving it with transformers >= 5.15 (`save_pretrained`, "
