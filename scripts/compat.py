@@ -7,7 +7,7 @@ every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md
 whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
 
 usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] [--case NAME ...] SPEC [SPEC ...]
---check install|consumer|engine: run only that check's tests and replace only its rows (the others stay as the ledger
+--check install|consumer|engine|draft: run only that check's tests and replace only its rows (the others stay as the ledger
 has them).
 --case NAME: run only the rows of that case (cases.py SOURCES / ENGINE_SOURCES; repeatable) and replace only its
 rows: a new case joins the ledger without every env of the matrix (SPEC: the envs its rows run in).
@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, LEDGER_PATH,  # noqa: E402
+from converter.advice.compat import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, LEDGER_PATH,  # noqa: E402
                                      ledger_document, load_ledger,
                                      render_markdown, row_from_dict, with_release_table)
 
@@ -43,7 +43,7 @@ TESTS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/t
          "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", *CONSUMER_TESTS)
 # --check: the tests that record only that check
 CHECK_TESTS = {CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: CONSUMER_TESTS,
-               CHECK_ENGINE: ("tests/test_vllm_engine.py",)}
+               CHECK_ENGINE: ("tests/test_vllm_engine.py",), CHECK_DRAFT: ("tests/test_consumer_llamacpp.py",)}
 
 
 def build_envs(specs: list[str]) -> tuple[list[str], float]:

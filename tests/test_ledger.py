@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import (CHECK_CONSUMER, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE,
+from converter.advice.compat import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE,
                                      INSTALL_LAYOUT, LEDGER_PATH, NOT_RUN, PASS, VLLM, LedgerRow, load_ledger,
                                      render_markdown, render_table, stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, ENGINE_RELEASE_SOURCES,
+from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DRAFT_CONTROLS, ENGINE_RELEASE_SOURCES,
                                      ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES,
                                      ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS,
                                      LOADER_ROWS, MIXED, MLX_SOURCES, MLX_TRANSFORMERS, NEWEST, ORIGINAL,
@@ -104,6 +104,9 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
                                   *(("sglang", SGLANG_SOURCES, tf) for tf in SGLANG_RELEASES.values())):
         want |= {(CHECK_CONSUMER, name, variant, "", tf, "", 1, consumer) for name in sources
                  for variant in (ORIGINAL, "per-layer", "pad-global")}
+    # llama.cpp's server drafting with the assistant: the original, both layouts, and the check's two controls
+    want |= {(CHECK_DRAFT, name, variant, "", LLAMACPP_TRANSFORMERS, "", 1, "llama.cpp") for name in LLAMACPP_SOURCES
+             for variant in (ORIGINAL, "per-layer", "pad-global", *DRAFT_CONTROLS)}
     want = {w if len(w) == 8 else (*w, VLLM) for w in want}  # the rows above are vLLM's
     have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype, r.tp, r.consumer) for r in ledger}
     assert not want - have, f"matrix rows the ledger lacks (run make compat): {sorted(want - have)}"
@@ -213,7 +216,8 @@ def test_compat_verb_prints_every_row_as_json_and_a_table(run_cli, ledger):
         assert {"case", "layout", "vllm", "transformers", "tp", "check", "verdict", "torch_pin", "measured"} <= set(row)
         assert row["verdict"] in (PASS, FAIL) or (row["verdict"] == NOT_RUN and row["detail"]), row  # reasons given
         assert row["layout"] in ("original", "per-layer", "pad-global") or \
-            (row["check"], row["layout"]) == (CHECK_INSTALL, INSTALL_LAYOUT)
+            (row["check"], row["layout"]) == (CHECK_INSTALL, INSTALL_LAYOUT) or \
+            (row["check"] == CHECK_DRAFT and row["layout"] in DRAFT_CONTROLS)  # a drafting check's controls
     only = json.loads(run_cli("compat", "--json", "--layout", "pad-global").out)
     assert only and {r["layout"] for r in only} == {"pad-global"}
     text = run_cli("compat")

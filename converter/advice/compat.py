@@ -218,6 +218,12 @@ def _figures_text(row: LedgerRow) -> str:
                 f"{f.get('mismatched', 0)} differ, KV sharing {'ok' if f.get('kv_sharing_ok') else 'NOT ok'}")
     if row.check == CHECK_INSTALL:
         return f"{f.get('changed', 0)} installed package(s) changed, {len(f.get('added', []))} added"
+    if row.check == CHECK_DRAFT:
+        if "candidates" not in f:
+            return "-"
+        return (f"{f['candidates_differ']} of {f['candidates']} draft candidates differ (rounding: "
+                f"{f['noise_candidates_differ']}), max dprob {f['max_prob_diff']:.2g} ({f['noise_max_prob_diff']:.2g}); "
+                f"draft_n {f['draft_n']}, accepted {f['draft_n_accepted']}")
     if row.check == CHECK_CONSUMER:
         if "max_abs_vs_original" not in f:
             return "-"

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import yaml
 
 from .. import __version__
-from ..advice.compat import consumer_table, load_ledger, summarize
+from ..advice.compat import CHECK_DRAFT, PASS, consumer_table, load_ledger, summarize
 from ..advice.consumers import command_language, drafting_command, drafting_proofs
 from ..cost import human_bytes, kv_costs
 from ..errors import InputError, UsageError
@@ -173,11 +173,20 @@ def _proof_section(variant: str) -> str:
 
 
 def _consumer_lines(variant: str) -> list[str]:
-    """Table lines of the other consumers the ledger proved this layout with (docs/COMPATIBILITY.md)."""
-    return [f"| consumer | - ({c['consumer']} {c['version']}) | {', '.join(c['transformers'])} | 1 | "
-            f"{c[variant]['passed']}/{c[variant]['rows']} "
-            f"synthetic cases{' (' + c['notes'][0] + ')' if c['notes'] else ''} | {c['measured']} |"
-            for c in consumer_table(load_ledger()) if c.get(variant, {}).get("rows")]
+    """Table lines of the other consumers the ledger proved this layout with (docs/COMPATIBILITY.md): loading it,
+    then running it with the assistant drafting (`draft` rows)."""
+    ledger = load_ledger()
+    lines = [f"| consumer | - ({c['consumer']} {c['version']}) | {', '.join(c['transformers'])} | 1 | "
+             f"{c[variant]['passed']}/{c[variant]['rows']} "
+             f"synthetic cases{' (' + c['notes'][0] + ')' if c['notes'] else ''} | {c['measured']} |"
+             for c in consumer_table(ledger) if c.get(variant, {}).get("rows")]
+    drafted = [r for r in ledger if r.check == CHECK_DRAFT and r.variant == variant]
+    for consumer, version in sorted({(r.consumer, r.consumer_version) for r in drafted}):
+        mine = [r for r in drafted if (r.consumer, r.consumer_version) == (consumer, version)]
+        lines.append(f"| {CHECK_DRAFT} | - ({consumer} {version}) | {', '.join(sorted({r.transformers for r in mine}))} "
+                     f"| 1 | {sum(r.verdict == PASS for r in mine)}/{len(mine)} synthetic cases | "
+                     f"{max(r.measured for r in mine)} |")
+    return lines
 
 
 def _kv_text(manifest: Mapping[str, Any], role: str, layout: Layout | None) -> str:

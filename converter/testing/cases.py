@@ -539,11 +539,69 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
             digests[(engine_key(name), layout)] = pair_digest(path / "target", path / "assistant")
         # the original itself: an engine row at TP > 1 (ENGINE_TP_SOURCES) and a consumer row (CONSUMER_SOURCES)
         digests[(engine_key(name), ORIGINAL)] = pair_digest(pair.reference / "target", pair.reference / "assistant")
+        if name in LLAMACPP_SOURCES:  # the drafting check's controls are rows too
+            for control, path in draft_control_pairs(pair, root / "controls" / name).items():
+                digests[(engine_key(name), control)] = pair_digest(path / "target", path / "assistant")
     for name in (*QUANTIZED_ENGINE_CASES, *TWIN_ENGINE_CASES):
         pair = build_quantized_engine_case(name, root / "engine")
         for variant, path in variant_dirs(pair).items():
             digests[(engine_key(name), variant)] = pair_digest(path / "target", path / "assistant")
     return digests
+
+
+# ---------------------------------------------------------------------------------------------- drafting controls
+
+QUERY_HEADS_SWAPPED = "assistant with its query heads swapped"
+# negative controls of a drafting check (tests/test_consumer_llamacpp.py), run beside the variants: they must draft
+# otherwise than the original pair, or be refused
+DRAFT_CONTROLS = (MIXED, QUERY_HEADS_SWAPPED)
+
+
+def swap_query_heads(assistant: Path, out: Path) -> Path:
+    """The assistant with its query heads swapped, same shapes: where a layer has two KV heads or more, the heads of
+    KV groups 0 and 1 trade places (q_proj rows and o_proj columns alike: each reads the other KV head); with one KV
+    head that trade is a symmetry of attention, so the q_proj rows of heads 0 and 1 alone are swapped."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(assistant, out)
+    config = json.loads((assistant / "config.json").read_text())
+    text = config.get("text_config", config)
+    heads = text["num_attention_heads"]
+    for file in sorted(out.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            metadata, tensors = handle.metadata(), {n: handle.get_tensor(n) for n in handle.keys()}
+        for name, tensor in tensors.items():
+            if not name.endswith(("self_attn.q_proj.weight", "self_attn.o_proj.weight")):
+                continue
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            full = text["layer_types"][layer] == "full_attention"
+            kv = (text.get("num_global_key_value_heads") if full and text.get("attention_k_eq_v") else None) \
+                or text["num_key_value_heads"]
+            rows = name.endswith("q_proj.weight")
+            if kv == 1 and not rows:
+                continue
+            group = heads // kv if kv > 1 else 1
+            order = list(range(heads))
+            order[:2 * group] = order[group:2 * group] + order[:group]
+            split = tensor if rows else tensor.t()
+            swapped = split.reshape(heads, -1, split.shape[-1])[order].reshape(split.shape)
+            tensors[name] = (swapped if rows else swapped.t()).contiguous()
+        save_file(tensors, str(file), metadata=metadata)
+    return out
+
+
+def draft_control_pairs(pair: EnginePair, root: Path) -> dict[str, Path]:
+    """The two controls of an engine case, each a directory holding target/ and assistant/: the pad-global target
+    beside the ORIGINAL assistant (MIXED), and the original target beside its assistant with its query heads swapped."""
+    mixed, swapped = root / "mixed", root / "swapped"
+    mixed.mkdir(parents=True)
+    (mixed / "target").symlink_to(pair.converted["pad-global"][0] / "target")
+    (mixed / "assistant").symlink_to(pair.reference / "assistant")
+    swapped.mkdir()
+    (swapped / "target").symlink_to(pair.reference / "target")
+    swap_query_heads(pair.reference / "assistant", swapped / "assistant")
+    return {MIXED: mixed, QUERY_HEADS_SWAPPED: swapped}
 
 
 def variant_dirs(pair: EnginePair) -> dict[str, Path]:

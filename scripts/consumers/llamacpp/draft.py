@@ -13,9 +13,11 @@ over its HTTP API, started and stopped here:
   server logs at `-v` (`spec ...: - seq_id S, draft candidate I, pos P: TOKEN (PROB)`, llama.cpp's
   common/speculative.cpp, its source unchanged) in order.
 
-The KV cache is float32 (`-ctk f32 -ctv f32`, as check.py runs the target) and one thread decodes, so a run is
-deterministic. A step llama.cpp fails (converting, loading, drafting) records its error, one line; the caller judges
-(tests/test_consumer_llamacpp.py).
+The KV cache is float32 (`-ctk f32 -ctv f32`, as check.py runs the target), flash attention off and one thread
+decodes, so a run is deterministic. The reference pair runs once more with llama.cpp's default float16 cache: how far
+rounding alone moves its drafts (random-weight drafts are nearly flat, and each draft step feeds the next), the bound
+a pair whose tensors were rewritten (pad-global) is held to. A step llama.cpp fails (converting, loading, drafting)
+records its error, one line; the caller judges (tests/test_consumer_llamacpp.py).
 
 usage: draft.py --server LLAMA_SERVER --reference PAIR [--pair NAME=PAIR ...] --json OUT
 """
@@ -51,15 +53,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def serve(server: Path, target: Path, assistant: Path | None, log: Path) -> dict:
+def serve(server: Path, target: Path, assistant: Path | None, log: Path, *, cache: str = "f32") -> dict:
     """One llama-server run: started, asked for PROMPT's greedy continuation, stopped. {tokens, timings, drafts}
-    or {error} (the server's last log line, or the HTTP failure)."""
+    or {error} (the server's last log line, or the HTTP failure). `cache`: the KV cache's type, target and draft."""
     port = free_port()
     command = [str(server), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-c", "256",
-               "-t", "1", "-tb", "1", "-ctk", "f32", "-ctv", "f32", "-np", "1", "--no-webui", "-v"]
+               "-t", "1", "-tb", "1", "-ctk", cache, "-ctv", cache, "-np", "1", "--no-webui", "-v", "-fa", "off"]
     if assistant is not None:
         command += ["--spec-draft-model", str(assistant), "--spec-type", "draft-mtp", "--spec-draft-n-max",
-                    str(N_MAX), "-ctkd", "f32", "-ctvd", "f32"]
+                    str(N_MAX), "-ctkd", cache, "-ctvd", cache]
     with log.open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -110,7 +112,7 @@ def _last_line(log: Path) -> str:
     return ((errors or lines or ["no output"])[-1])[:300]
 
 
-def check_pair(server: Path, pair: Path, work: Path) -> dict:
+def check_pair(server: Path, pair: Path, work: Path, *, noise: bool = False) -> dict:
     result: dict = {}
     ggufs = {}
     for role in ("target", "assistant"):
@@ -121,6 +123,9 @@ def check_pair(server: Path, pair: Path, work: Path) -> dict:
         return result
     result["plain"] = serve(server, ggufs["target"], None, work / "plain.log")
     result["drafting"] = serve(server, ggufs["target"], ggufs["assistant"], work / "drafting.log")
+    if noise:  # the same pair through llama.cpp's default float16 cache: how far its own rounding moves the drafts
+        result["drafting_f16_cache"] = serve(server, ggufs["target"], ggufs["assistant"], work / "noise.log",
+                                             cache="f16")
     return result
 
 
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, pair in pairs.items():
             (Path(tmp) / name).mkdir()
-            report["pairs"][name] = check_pair(args.server, Path(pair), Path(tmp) / name)
+            report["pairs"][name] = check_pair(args.server, Path(pair), Path(tmp) / name, noise=name == "reference")
     args.json.write_text(json.dumps(report))
     return 0
 
