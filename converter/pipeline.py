@@ -14,28 +14,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .advice.serving import Decision, ServingEnv, decide, serving_notes, shape_of
 from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UnsupportedLayoutError, UsageError
-from .advice.serving import Decision, ServingEnv, decide, serving_notes, shape_of
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role
-from .hub.download import LocalSource, fetch_weights, open_checkpoint, parse_repo_ref, published_assistant, \
-    resolve_source
-from .quantization import weights_per_element
+from .hub.download import (LocalSource, fetch_weights, open_checkpoint, parse_repo_ref, published_assistant,
+                           resolve_source)
 from .layouts import Layout, default_layout, get_layout
 from .layouts.base import layout_from_manifest
 from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, ShardPlan, index_document
-from .validate.attention import has_fused_qkv
+from .quantization import weights_per_element
 from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
 from .read.sequential import PendingSha256, hashing_ahead, known_sha256
+from .validate.attention import has_fused_qkv
 from .write.budget import budget
 from .write.engine import Writers, place_whole, rewrite_shard
 from .write.lock import output_lock
 from .write.manifest import MADE_WRITTEN, manifest_document
 from .write.placement import LINK_MODES, place_file, reflink_possible
 from .write.staging import make_directory, staged_directory, write_json
-
 
 
 @dataclass(frozen=True)
@@ -264,9 +263,10 @@ def _write(plan: ConversionPlan, on_bytes: Callable[[int], None]) -> ConvertResu
         raise OutputError(f"{plan.request.out} already exists; choose a new directory or pass --force")
     with staged_directory(plan.request.out, replace=plan.request.force) as staging, ExitStack() as stack:
         # every source file this conversion reads whole, hashed from the start on the cores the writes leave
-        ahead = hashing_ahead(_files_to_hash(plan, staging), stack, threads=budget().hash_threads) \
+        threads = budget()
+        ahead = hashing_ahead(_files_to_hash(plan, staging), stack, threads=threads.hash_threads) \
             if plan.request.hashed else {}
-        finishing, writers = [], Writers.started(stack, budget())
+        finishing, writers = [], Writers.started(stack, threads)
         on_bytes = _one_at_a_time(on_bytes)  # the writers' threads report progress
         for item in plan.items:
             directory = staging / item.subdir if item.subdir else staging
