@@ -48,7 +48,7 @@ def hub_api_for(ctx: click.Context | None, texts: Any) -> Any:
 
 def resolve_cli_source(text: str, *, purpose: Purpose, ctx: click.Context | None) -> LocalSource:
     """resolve_source with this invocation's HfApi; a local path needs none (and never imports huggingface_hub)."""
-    return resolve_source(text, purpose=purpose, api=hub_api(ctx) if parse_repo_ref(text) is not None else None)
+    return resolve_source(text, purpose=purpose, api=hub_api_for(ctx, [text]))
 
 
 class SourceType(click.ParamType):
