@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
-from converter.advice.compat import CHECK_CONSUMER, PASS, LedgerRow
+from converter.advice.compat import CHECK_CONSUMER, CHECK_DRAFT, FAIL, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import ENGINE_SOURCES, ORIGINAL, EnginePair
+from converter.testing.cases import DRAFT_CONTROLS, ENGINE_SOURCES, ORIGINAL, EnginePair
 
 from _ledger import record, today
 
@@ -47,6 +48,24 @@ def engine_case_row(consumer: str, version: str, transformers: str, name: str, v
                      consumer_version=version)
 
 
+def engine_draft_row(consumer: str, version: str, transformers: str, name: str, variant: str, digest: str,
+                     verdict: str, detail: str, figures: dict, expected: str | None = None) -> LedgerRow:
+    """A drafting row (ledger check `draft`) on an engine case: expected to pass, a negative control to fail."""
+    row = engine_case_row(consumer, version, transformers, name, variant, digest, verdict, detail, figures)
+    return replace(row, check=CHECK_DRAFT, expected=expected or (FAIL if variant in DRAFT_CONTROLS else PASS))
+
+
+def draft_distance(mine: list, theirs: list) -> tuple[int, float]:
+    """Two runs' draft candidates, each [round or step, index, token, probability]: (candidates whose first three
+    differ, or that one side lacks; the largest probability difference of the candidates alike)."""
+    differ = sum(a[:3] != b[:3] for a, b in zip(mine, theirs)) + abs(len(mine) - len(theirs))
+    prob = max((abs(a[3] - b[3]) for a, b in zip(mine, theirs) if a[:3] == b[:3]), default=0.0)
+    return differ, prob
+
+
+SAME_TENSORS = (ORIGINAL, "per-layer")  # every tensor the original's: its drafts must be the original's exactly
+
+
 def record_as_expected(rows: list[LedgerRow]) -> None:
     """Fails the test on a row whose verdict is not its expected one; else records every row (once all held)."""
     surprises = [f"{r.layout}: {r.verdict} (expected {r.expected}) {r.detail}" for r in rows if r.verdict != r.expected]
@@ -55,9 +74,10 @@ def record_as_expected(rows: list[LedgerRow]) -> None:
         record(row)
 
 
-def run_check(python: Path, consumer: str, reference: Path, pairs: dict[str, Path], out: Path) -> dict:
-    """The JSON report of scripts/consumers/<consumer>/check.py run under `python` on the reference and `pairs`."""
-    proc = subprocess.run([str(python), str(CONSUMERS / consumer / "check.py"), "--reference", str(reference),
+def run_check(python: Path, consumer: str, reference: Path, pairs: dict[str, Path], out: Path,
+              program: str = "check.py") -> dict:
+    """The JSON report of scripts/consumers/<consumer>/<program> run under `python` on the reference and `pairs`."""
+    proc = subprocess.run([str(python), str(CONSUMERS / consumer / program), "--reference", str(reference),
                            *[f"--pair={name}={path}" for name, path in pairs.items()], "--json", str(out)],
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]

@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import CHECK_DRAFT, FAIL, PASS, LedgerRow
+from converter.advice.compat import FAIL, PASS, LedgerRow
 from converter.proof.digest import pair_digest
 from converter.testing.cases import (DRAFT_CONTROLS, LLAMACPP, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS, MIXED, ORIGINAL,
                                      draft_control_pairs)
 
 from _consumer_envs import consumer_python
-from _consumers import (AS_RESAVED, CONSUMERS, assert_varied, engine_case_row, max_diff, record_as_expected,
-                        run_check, variants_and_digests)
+from _consumers import (AS_RESAVED, CONSUMERS, SAME_TENSORS, assert_varied, draft_distance, engine_case_row,
+                        engine_draft_row, max_diff, record_as_expected, run_check, variants_and_digests)
 from _ledger import skip_if_all_unchanged
 
 CONSUMER = "llama.cpp"
@@ -147,8 +146,8 @@ def judge_drafting(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
     if problems or "plain" not in got:
         return FAIL, "; ".join(problems) or "not run", {}
     want, mine = ref["plain"]["tokens"], got["drafting"]["drafts"]
-    differ, prob = _draft_distance(mine, ref["drafting"]["drafts"])
-    noise_differ, noise_prob = _draft_distance(ref["drafting_f16_cache"]["drafts"], ref["drafting"]["drafts"])
+    differ, prob = draft_distance(mine, ref["drafting"]["drafts"])
+    noise_differ, noise_prob = draft_distance(ref["drafting_f16_cache"]["drafts"], ref["drafting"]["drafts"])
     timings = got["drafting"]["timings"]
     figures = {"draft_n": timings["draft_n"], "draft_n_accepted": timings["draft_n_accepted"],
                "candidates": len(mine), "candidates_differ": differ, "max_prob_diff": round(prob, 4),
@@ -168,20 +167,8 @@ def judge_drafting(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
     return (FAIL if problems else PASS), "; ".join(problems), figures
 
 
-SAME_TENSORS = (ORIGINAL, "per-layer")  # every tensor the original's: drafts must be the original's exactly
-
-
-def _draft_distance(mine: list, theirs: list) -> tuple[int, float]:
-    """(candidates whose step, position or token differ, or that one side lacks; the largest probability difference
-    of the candidates alike)."""
-    differ = sum(a[:3] != b[:3] for a, b in zip(mine, theirs)) + abs(len(mine) - len(theirs))
-    prob = max((abs(a[3] - b[3]) for a, b in zip(mine, theirs) if a[:3] == b[:3]), default=0.0)
-    return differ, prob
-
-
 def draft_row(name: str, variant: str, digest: str, verdict: str, detail: str, figures: dict) -> LedgerRow:
-    row = engine_case_row(CONSUMER, LLAMACPP, LLAMACPP_TRANSFORMERS, name, variant, digest, verdict, detail, figures)
-    return replace(row, check=CHECK_DRAFT, expected=FAIL if variant in DRAFT_CONTROLS else PASS)
+    return engine_draft_row(CONSUMER, LLAMACPP, LLAMACPP_TRANSFORMERS, name, variant, digest, verdict, detail, figures)
 
 
 @pytest.mark.vllm_loader

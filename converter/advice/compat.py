@@ -118,7 +118,8 @@ def consumer_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
         mine = [r for r in rows if (r.consumer, r.consumer_version) == (consumer, version)]
         loading = [r for r in mine if r.check == CHECK_CONSUMER]
         cells = _variant_cells(loading, failure=lambda r: r.detail)
-        notes = sorted({r.detail for r in loading if r.verdict == PASS and r.detail})
+        notes = sorted({r.detail for r in loading if r.verdict == PASS and r.detail}
+                       | {f"{r.case}: {r.check} not run: {r.detail}" for r in mine if r.verdict == NOT_RUN})
         lines.append({"consumer": consumer, "version": version, "cases": sorted({r.case for r in mine}),
                       "transformers": sorted({r.transformers for r in mine if r.transformers}, key=version_key),
                       **cells, "drafting": drafting_cells(mine),
@@ -133,7 +134,7 @@ def proves_drafting(row: LedgerRow) -> bool | None:
     """Whether a row shows the assistant drafting as the original pair's does (True), not doing so (False), or says
     nothing of drafting (None): a `draft` row by its verdict, a consumer row by its assisted-generation figure."""
     if row.check == CHECK_DRAFT:
-        return row.verdict == PASS
+        return None if row.verdict == NOT_RUN else row.verdict == PASS
     if row.check == CHECK_CONSUMER and ASSISTED in row.figures and row.figures.get("assistant_error") is None:
         return bool(row.figures[ASSISTED]) and row.verdict == PASS
     return None
@@ -221,9 +222,11 @@ def _figures_text(row: LedgerRow) -> str:
     if row.check == CHECK_DRAFT:
         if "candidates" not in f:
             return "-"
-        return (f"{f['candidates_differ']} of {f['candidates']} draft candidates differ (rounding: "
-                f"{f['noise_candidates_differ']}), max dprob {f['max_prob_diff']:.2g} ({f['noise_max_prob_diff']:.2g}); "
-                f"draft_n {f['draft_n']}, accepted {f['draft_n_accepted']}")
+        noise = "noise_candidates_differ" in f  # llama.cpp: its own float16-cache rounding, the bound
+        return (f"{f['candidates_differ']} of {f['candidates']} draft candidates differ"
+                + (f" (rounding: {f['noise_candidates_differ']})" if noise else "")
+                + f", max dprob {f['max_prob_diff']:.2g}" + (f" ({f['noise_max_prob_diff']:.2g})" if noise else "")
+                + f"; draft_n {f['draft_n']}, accepted {f['draft_n_accepted']}")
     if row.check == CHECK_CONSUMER:
         if "max_abs_vs_original" not in f:
             return "-"

@@ -15,6 +15,7 @@ from .compat import CHECK_ENGINE, PASS, VLLM, load_ledger, proves_drafting, vers
 
 TRANSFORMERS = "transformers"
 LLAMACPP = "llama.cpp"
+MLX_VLM = "mlx-vlm"
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,16 @@ def _llamacpp(target: str, assistant: str, layout: str) -> str:
             f"--spec-draft-n-max {DEFAULT_SPECULATIVE_TOKENS}")
 
 
+def _mlx_vlm(target: str, assistant: str, layout: str) -> str:
+    # the verified block is the bonus token and the drafts: --num-speculative-tokens N is a block of N + 1
+    return (f"python -m mlx_vlm.generate --model {target} --draft-model {assistant} --draft-kind mtp "
+            f"--draft-block-size {DEFAULT_SPECULATIVE_TOKENS + 1} --prompt Hello --max-tokens 64 --temperature 0")
+
+
 # consumer -> (code block language, command for (target, assistant, layout)); a consumer with drafting rows but no
 # command here is not listed (its rows still show in docs/COMPATIBILITY.md)
-COMMANDS = {VLLM: ("bash", _vllm), TRANSFORMERS: ("python", _transformers), LLAMACPP: ("bash", _llamacpp)}
+COMMANDS = {VLLM: ("bash", _vllm), TRANSFORMERS: ("python", _transformers), LLAMACPP: ("bash", _llamacpp),
+            MLX_VLM: ("bash", _mlx_vlm)}
 
 
 def drafting_command(consumer: str, target: str, assistant: str, layout: str) -> str:

@@ -384,6 +384,13 @@ CONSUMER_TRANSFORMERS = ("5.8.0", LEGACY_TRANSFORMERS, "5.15.0", "5.19.0", NEWES
 MLX_SOURCES = ("31b-per-layer-config", "26b-a4b-moe", "e2b")
 MLX_LM = "0.32.2"  # scripts/consumers/mlx/requirements.txt
 MLX_TRANSFORMERS = "5.24.0"  # the transformers of that env (mlx-lm reads configs and tokenizers with it)
+# mlx-vlm drafting with the assistant (mlx_vlm.speculative, kind mtp) on MLX's CPU backend (scripts/consumers/mlxvlm):
+# mlx-vlm drafts only beside its multimodal gemma4 model (its gemma4_text model returns no hidden states, measured),
+# so the multimodal engine cases (31B geometry, the 26B-A4B MoE as released) draft, and a text-only one (E2B) records
+# the original's own error as `not run`
+MLX_DRAFT_SOURCES = ("31b-mm-2shards", "26b-a4b-qat-q4_0", "e2b")
+MLX_VLM = "0.7.10"  # scripts/consumers/mlxvlm/requirements.txt
+MLX_VLM_TRANSFORMERS = "5.25.0"  # the transformers of that env (mlx-vlm reads configs with it)
 # llama.cpp (tests/test_consumer_llamacpp.py): its GGUF converter and runtime as llama-cpp-python's sdist vendors them
 # (scripts/consumers/llamacpp/requirements.txt), on the same cases as mlx-lm
 LLAMACPP_SOURCES = MLX_SOURCES
