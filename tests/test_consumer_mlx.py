@@ -16,8 +16,9 @@ import pytest
 
 from converter.advice.compat import FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import (DRAFT_CONTROLS, ENGINE_SOURCES, MLX_DRAFT_SOURCES, MLX_LM, MLX_SOURCES,
-                                     MLX_TRANSFORMERS, MLX_VLM, MLX_VLM_TRANSFORMERS, ORIGINAL, draft_control_pairs)
+from converter.testing.cases import (DRAFT_CONTROLS, ENGINE_SOURCES, MLX_DRAFT_CONTROL_SOURCES, MLX_DRAFT_SOURCES,
+                                     MLX_LM, MLX_SOURCES, MLX_TRANSFORMERS, MLX_VLM, MLX_VLM_TRANSFORMERS, ORIGINAL,
+                                     draft_control_pairs)
 
 from _consumer_envs import consumer_python
 from _consumers import (AS_RESAVED, SAME_TENSORS, assert_varied, draft_distance, engine_case_row, engine_draft_row,
@@ -133,7 +134,7 @@ def test_mlx_vlm_drafts_like_the_original_pair(engine_case, tmp_path, name):
     pair = engine_case(name)
     runs, digests = variants_and_digests(pair)
     runs.pop(AS_RESAVED, None)
-    if ENGINE_SOURCES[name].multimodal:
+    if name in MLX_DRAFT_CONTROL_SOURCES:
         runs.update(draft_control_pairs(pair, tmp_path / "controls"))
         digests.update({c: pair_digest(runs[c] / "target", runs[c] / "assistant") for c in DRAFT_CONTROLS})
     skip_if_all_unchanged([mlx_draft_row(name, v, d) for v, d in digests.items()])

@@ -10,6 +10,11 @@ that). Where SGLang cannot load the original (cases.SGLANG_LIMITS), the
 original's row says so and the layouts must load. Like the vLLM loader rows, no forward runs: SGLang's CPU engine
 needs its own kernel build.
 
+The drafting rows (ledger check `draft`): scripts/consumers/sglang/draft.py starts SGLang's engine with the assistant
+drafting (FROZEN_KV_MTP) on the CPU, both ways SGLang offers, for the original and both layouts of
+SGLANG_DRAFT_SOURCES. No release drafts there, the original alike: each variant's row is `not run`, with the error
+measured, and must fail exactly as the original does (a layout that failed earlier or otherwise would fail the row).
+
 `make compat` runs the rows; CI checks their digests (tests/test_ledger.py).
 """
 
@@ -17,9 +22,10 @@ from __future__ import annotations
 
 import pytest
 
-from converter.advice.compat import CHECK_CONSUMER, FAIL, PASS, LedgerRow
+from converter.advice.compat import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import ORIGINAL, SGLANG_LIMITS, SGLANG_RELEASES, SGLANG_SOURCES, SOURCES
+from converter.testing.cases import (ORIGINAL, SGLANG_DRAFT_SOURCES, SGLANG_LIMITS, SGLANG_RELEASES, SGLANG_SOURCES,
+                                     SOURCES)
 
 from _consumer_envs import consumer_python
 from _consumers import record_as_expected, run_check
@@ -50,10 +56,13 @@ def judge(got: dict) -> tuple[str, str, dict]:
 
 
 def sglang_row(name: str, variant: str, release: str, digest: str, verdict: str = PASS, detail: str = "",
-               figures: dict | None = None) -> LedgerRow:
-    expected = FAIL if variant == ORIGINAL and (release, name) in SGLANG_LIMITS else PASS
+               figures: dict | None = None, check: str = CHECK_CONSUMER) -> LedgerRow:
+    if check == CHECK_DRAFT:
+        expected = NOT_RUN
+    else:
+        expected = FAIL if variant == ORIGINAL and (release, name) in SGLANG_LIMITS else PASS
     return LedgerRow(case=name, form=SOURCES[name].form, layout=variant, vllm="", transformers=SGLANG_RELEASES[release],
-                     torch="2.13.0+cpu", torch_pin=False, check=CHECK_CONSUMER, verdict=verdict, expected=expected,
+                     torch="2.13.0+cpu", torch_pin=False, check=check, verdict=verdict, expected=expected,
                      digest=digest, measured=today(), vllm_package="", detail=detail, figures=figures or {},
                      consumer=CONSUMER, consumer_version=release)
 
@@ -96,3 +105,46 @@ def test_the_sglang_judge_can_fail():
     mismatch = [{**good["geometry"]["layers"][0], "target": {"head_dim": 256}, "match": False}]
     assert judge({**good, "geometry": {"layers": mismatch}})[0] == FAIL
     assert judge({"error": "load target: AssertionError: x"})[0] == FAIL
+
+
+# ------------------------------------------------------------------------------------------------------ drafting
+
+def judge_sglang_drafting(got: dict, ref: dict) -> tuple[str, str, dict]:
+    """A pair SGLang cannot draft on CPU, the original alike: every attempt must fail exactly as the original's."""
+    differ = [a for a in ref if got.get(a, {}).get("error") != ref[a]["error"]]
+    if differ:
+        return FAIL, "; ".join(f"{a}: the original fails with {ref[a]['error']}, this pair "
+                               f"{got.get(a, {}).get('error') or 'does not'}" for a in differ), {}
+    return NOT_RUN, "SGLang's engine does not draft on CPU, the original alike: " + \
+        "; ".join(f"{a}: {ref[a]['error']}" for a in ref), {}
+
+
+@pytest.mark.vllm_loader
+@pytest.mark.compat
+@pytest.mark.parametrize("name", SGLANG_DRAFT_SOURCES)
+@pytest.mark.parametrize("release", sorted(SGLANG_RELEASES))
+def test_sglang_drafting_on_cpu_is_measured(loader_case, tmp_path, release, name):
+    """SGLang's engine with the assistant drafting (FROZEN_KV_MTP) on CPU: where the original cannot draft, each
+    layout's row says so with the error measured, and fails exactly as the original does."""
+    pairs = {v: d for v, d in loader_case(name).items() if v in VARIANTS}
+    digests = {v: pair_digest(d / "target", d / "assistant") for v, d in pairs.items()}
+    skip_if_all_unchanged([sglang_row(name, v, release, d, NOT_RUN, check=CHECK_DRAFT) for v, d in digests.items()])
+    report = run_check(consumer_python(CONSUMER, release), CONSUMER, pairs[ORIGINAL],
+                       {v: d for v, d in pairs.items() if v != ORIGINAL}, tmp_path / "report.json", program="draft.py")
+    assert report["sglang"] == release and report["torch"].endswith("+cpu"), report
+    ref = report["pairs"]["reference"]
+    assert set(ref) == set(report["attempts"]), ref
+    drafted = [a for a, got in ref.items() if "tokens" in got]
+    assert not drafted, f"SGLang {release} drafts on CPU ({drafted}): judge its drafts as llama.cpp's are, not this"
+    rows = [sglang_row(name, v, release, digests[v], *judge_sglang_drafting(
+        report["pairs"]["reference" if v == ORIGINAL else v], ref), check=CHECK_DRAFT) for v in VARIANTS]
+    record_as_expected(rows)
+
+
+def test_the_sglang_drafting_judge_can_fail():
+    """A layout that fails otherwise than the original, or not at all, fails its row; the same errors are `not run`."""
+    ref = {"device=cpu": {"error": "RuntimeError: 0 active drivers"}, "cpu engine": {"error": "ModuleNotFoundError: x"}}
+    assert judge_sglang_drafting(ref, ref)[0] == NOT_RUN
+    assert "0 active drivers" in judge_sglang_drafting(ref, ref)[1]
+    assert judge_sglang_drafting({**ref, "device=cpu": {"error": "ValueError: shape"}}, ref)[0] == FAIL
+    assert judge_sglang_drafting({**ref, "device=cpu": {"tokens": [1, 2]}}, ref)[0] == FAIL

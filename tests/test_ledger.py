@@ -19,14 +19,14 @@ from converter.advice.compat import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, 
                                      render_markdown, render_table, stale_rows, version_key, with_release_table)
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DRAFT_CONTROLS, ENGINE_RELEASE_SOURCES,
-                                     ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES,
-                                     ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS,
-                                     LOADER_ROWS, MIXED, MLX_SOURCES, MLX_TRANSFORMERS, NEWEST, ORIGINAL,
-                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RANK_ENV,
-                                     RANK_SOURCES, RANK_TP_SIZES, RELEASES, SGLANG_RELEASES, SGLANG_SOURCES,
-                                     TWIN_ENGINE_ROWS, build_loader_case, case_digests,
-                                     engine_transformers, env_specs)
+from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DRAFT_CONTROLS,
+                                     ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES,
+                                     ENGINE_TP_SOURCES, ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES,
+                                     LLAMACPP_TRANSFORMERS, LOADER_ROWS, MIXED, MLX_DRAFT_CONTROL_SOURCES,
+                                     MLX_DRAFT_SOURCES, MLX_SOURCES, MLX_TRANSFORMERS, MLX_VLM_TRANSFORMERS, NEWEST,
+                                     ORIGINAL, QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RANK_ENV, RANK_SOURCES,
+                                     RANK_TP_SIZES, RELEASES, SGLANG_DRAFT_SOURCES, SGLANG_RELEASES, SGLANG_SOURCES,
+                                     TWIN_ENGINE_ROWS, build_loader_case, case_digests, engine_transformers, env_specs)
 
 from _wheel import requirements_digest
 
@@ -107,6 +107,13 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
     # llama.cpp's server drafting with the assistant: the original, both layouts, and the check's two controls
     want |= {(CHECK_DRAFT, name, variant, "", LLAMACPP_TRANSFORMERS, "", 1, "llama.cpp") for name in LLAMACPP_SOURCES
              for variant in (ORIGINAL, "per-layer", "pad-global", *DRAFT_CONTROLS)}
+    # mlx-vlm drafting: the controls run beside a multimodal case only (a text-only one cannot draft there at all)
+    want |= {(CHECK_DRAFT, name, variant, "", MLX_VLM_TRANSFORMERS, "", 1, "mlx-vlm") for name in MLX_DRAFT_SOURCES
+             for variant in (ORIGINAL, "per-layer", "pad-global",
+                             *(DRAFT_CONTROLS if name in MLX_DRAFT_CONTROL_SOURCES else ()))}
+    # SGLang's drafting on CPU, each release: `not run` rows, the original's beside the layouts'
+    want |= {(CHECK_DRAFT, name, variant, "", tf, "", 1, "sglang") for name in SGLANG_DRAFT_SOURCES
+             for variant in (ORIGINAL, "per-layer", "pad-global") for tf in SGLANG_RELEASES.values()}
     want = {w if len(w) == 8 else (*w, VLLM) for w in want}  # the rows above are vLLM's
     have = {(r.check, r.case, r.variant, r.vllm, r.transformers, r.dtype, r.tp, r.consumer) for r in ledger}
     assert not want - have, f"matrix rows the ledger lacks (run make compat): {sorted(want - have)}"

@@ -405,6 +405,9 @@ SGLANG_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "31b-mm-resaved")
 # (release, case) whose ORIGINAL SGLang cannot load: 0.5.1x read only the flat keys, and a per_layer_config config
 # (what transformers >= 5.15 writes) leaves the full layers at the default head size
 SGLANG_LIMITS = {("0.5.13", "31b-mm-resaved")}
+# SGLang's drafting (FROZEN_KV_MTP) on CPU, each release: the case its `not run` rows are measured on (no release
+# drafts there, the original alike: docs/PROOF.md, "Drafting in each consumer")
+SGLANG_DRAFT_SOURCES = ("31b-mm-2shards",)
 TRANSFORMERS_LIMITS = {"5.19.0": "generate(assistant_model=...) raises TypeError in "
                                  "SinglePositionMultiTokenCandidateGenerator (missing input_ids, model_kwargs)"}
 
@@ -546,7 +549,7 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
             digests[(engine_key(name), layout)] = pair_digest(path / "target", path / "assistant")
         # the original itself: an engine row at TP > 1 (ENGINE_TP_SOURCES) and a consumer row (CONSUMER_SOURCES)
         digests[(engine_key(name), ORIGINAL)] = pair_digest(pair.reference / "target", pair.reference / "assistant")
-        if name in LLAMACPP_SOURCES:  # the drafting check's controls are rows too
+        if name in DRAFT_CONTROL_SOURCES:  # the drafting check's controls are rows too
             for control, path in draft_control_pairs(pair, root / "controls" / name).items():
                 digests[(engine_key(name), control)] = pair_digest(path / "target", path / "assistant")
     for name in (*QUANTIZED_ENGINE_CASES, *TWIN_ENGINE_CASES):
@@ -559,9 +562,13 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
 # ---------------------------------------------------------------------------------------------- drafting controls
 
 QUERY_HEADS_SWAPPED = "assistant with its query heads swapped"
-# negative controls of a drafting check (tests/test_consumer_llamacpp.py), run beside the variants: they must draft
-# otherwise than the original pair, or be refused
+# negative controls of a drafting check (tests/test_consumer_llamacpp.py, tests/test_consumer_mlx.py), run beside
+# the variants: they must draft otherwise than the original pair, or be refused
 DRAFT_CONTROLS = (MIXED, QUERY_HEADS_SWAPPED)
+# the cases a drafting check runs its controls beside: every llama.cpp one; mlx-vlm's where it can draft at all
+# (beside its multimodal model only: docs/PROOF.md, "Drafting in each consumer")
+MLX_DRAFT_CONTROL_SOURCES = tuple(n for n in MLX_DRAFT_SOURCES if ENGINE_SOURCES[n].multimodal)
+DRAFT_CONTROL_SOURCES = frozenset((*LLAMACPP_SOURCES, *MLX_DRAFT_CONTROL_SOURCES))
 
 
 def swap_query_heads(assistant: Path, out: Path) -> Path:

@@ -1,5 +1,5 @@
-"""What every consumer check (scripts/consumers/<consumer>/check.py) shares: its command line, the prompt the
-consumers are compared on, and the one-line form of a consumer's failure.
+"""What every consumer check (scripts/consumers/<consumer>/check.py, draft.py) shares: its command line, the prompt the
+consumers are compared on, and the one-line form of a consumer's failure, with where in the consumer it was raised.
 
 Standard library only: each check runs under its consumer's own interpreter and imports this by path.
 """
@@ -7,6 +7,8 @@ Standard library only: each check runs under its consumer's own interpreter and 
 from __future__ import annotations
 
 import argparse
+import re
+import traceback
 from pathlib import Path
 
 PROMPT = [2, 17, 5, 33, 9, 41, 3, 12, 28, 7, 19, 36]  # ids below every test vocabulary; one prompt for every consumer
@@ -26,3 +28,37 @@ def parse_pairs(description: str, argv: list[str] | None = None) -> tuple[dict[s
 def one_line(exc: BaseException) -> str:
     """"TypeError: first line of the message", at most 300 characters: what a row's detail quotes."""
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def _placed(message: str, package: str, frames: list[tuple[str, str]]) -> str:
+    """message + " (package/file.py, function)" of the innermost of `frames` (filename, function) in `package`."""
+    inside = [(f, name) for f, name in frames if f"/{package}/" in f]
+    if not inside:
+        return message
+    filename, function = inside[-1]
+    return f"{message} ({package}/{filename.split(f'/{package}/')[-1]}, {function})"
+
+
+def failure(exc: BaseException, package: str) -> str:
+    """one_line(exc) and where `package` raised it: "TypeError: ... (mlx_vlm/speculative/utils.py, run_rounds)"."""
+    return _placed(one_line(exc), package, [(f.filename, f.name) for f in traceback.extract_tb(exc.__traceback__)])
+
+
+TRACEBACK_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+, in (\S+)')
+EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)): ?(.*)$")
+
+
+def logged_failure(log: str, package: str) -> str | None:
+    """The exception the first traceback in `log` (processes' stderr) ends with, in failure()'s form; None if the log
+    holds none. The first: in a multi-process engine the one a worker died of, before the parent's report of it."""
+    frames: list[tuple[str, str]] | None = None
+    for line in log.splitlines():
+        if "Traceback (most recent call last)" in line:
+            frames = []
+        elif frames is None:
+            continue
+        elif match := TRACEBACK_FRAME.match(line):
+            frames.append(match.groups())
+        elif (match := EXCEPTION_LINE.match(line.strip())) and frames:
+            return _placed(f"{match[1].rsplit('.', 1)[-1]}: {match[2]}"[:300], package, frames)
+    return None

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/consumers: run by path, not as a package
-from consumer_io import NEW_TOKENS, PROMPT, one_line, parse_pairs  # noqa: E402
+from consumer_io import NEW_TOKENS, PROMPT, failure, parse_pairs  # noqa: E402
 
 BLOCK = 4  # the verified block: the bonus token and BLOCK - 1 drafts per round (as llama.cpp's --spec-draft-n-max 3)
 
@@ -71,14 +70,6 @@ def generate(model, drafter=None) -> dict:
     return result
 
 
-def failure(exc: BaseException) -> str:
-    """one_line(exc) and where mlx-vlm raised it: "TypeError: ... (mlx_vlm/speculative/utils.py, run_speculative_rounds)"."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/mlx_vlm/" in f.filename]
-    if not frames:
-        return one_line(exc)
-    return f"{one_line(exc)} (mlx_vlm/{frames[-1].filename.split('/mlx_vlm/')[-1]}, {frames[-1].name})"
-
-
 def check_pair(pair: Path) -> dict:
     import mlx.core as mx
     from mlx_vlm.speculative.drafters import load_drafter
@@ -87,11 +78,11 @@ def check_pair(pair: Path) -> dict:
     try:
         model = load_model(pair / "target")
     except Exception as exc:  # noqa: BLE001 - any failure of the consumer is the finding, recorded as one line
-        return {"target_error": failure(exc)}
+        return {"target_error": failure(exc, "mlx_vlm")}
     try:
         drafter, kind = load_drafter(str(pair / "assistant"), kind="mtp")
     except Exception as exc:  # noqa: BLE001
-        return {"assistant_error": failure(exc)}
+        return {"assistant_error": failure(exc, "mlx_vlm")}
     model.set_dtype(mx.float32)  # MLX's CPU gather-mm of MoE experts takes float32 only
     drafter.set_dtype(mx.float32)
     result: dict = {"kind": kind}
@@ -99,7 +90,7 @@ def check_pair(pair: Path) -> dict:
         try:
             result[run] = generate(model, drafting)
         except Exception as exc:  # noqa: BLE001
-            result[run] = {"error": failure(exc)}
+            result[run] = {"error": failure(exc, "mlx_vlm")}
     return result
 
 
