@@ -32,7 +32,7 @@ import json
 import os
 import sys
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
