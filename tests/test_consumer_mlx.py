@@ -16,9 +16,8 @@ import pytest
 
 from converter.advice.compat import FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import (DRAFT_CONTROLS, ENGINE_SOURCES, MLX_DRAFT_CONTROL_SOURCES, MLX_DRAFT_SOURCES,
-                                     MLX_LM, MLX_SOURCES, MLX_TRANSFORMERS, MLX_VLM, MLX_VLM_TRANSFORMERS, ORIGINAL,
-                                     draft_control_pairs)
+from converter.testing.cases import (DRAFT_CONTROLS, MLX_DRAFT_SOURCES, MLX_DRAFTING_SOURCES, MLX_LM, MLX_SOURCES,
+                                     MLX_TRANSFORMERS, MLX_VLM, MLX_VLM_TRANSFORMERS, ORIGINAL, draft_control_pairs)
 
 from _consumer_envs import consumer_python
 from _consumers import (AS_RESAVED, SAME_TENSORS, assert_varied, draft_distance, engine_case_row, engine_draft_row,
@@ -118,7 +117,7 @@ def judge_not_drafting(got: dict, ref: dict) -> tuple[str, str, dict]:
 
 def mlx_draft_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: str = "",
                   figures: dict | None = None) -> LedgerRow:
-    expected = None if ENGINE_SOURCES[name].multimodal else NOT_RUN
+    expected = None if name in MLX_DRAFTING_SOURCES else NOT_RUN
     return engine_draft_row(MLX_VLM_CONSUMER, MLX_VLM, MLX_VLM_TRANSFORMERS, name, variant, digest, verdict, detail,
                             figures or {}, expected=expected)
 
@@ -134,7 +133,7 @@ def test_mlx_vlm_drafts_like_the_original_pair(engine_case, tmp_path, name):
     pair = engine_case(name)
     runs, digests = variants_and_digests(pair)
     runs.pop(AS_RESAVED, None)
-    if name in MLX_DRAFT_CONTROL_SOURCES:
+    if name in MLX_DRAFTING_SOURCES:
         runs.update(draft_control_pairs(pair, tmp_path / "controls"))
         digests.update({c: pair_digest(runs[c] / "target", runs[c] / "assistant") for c in DRAFT_CONTROLS})
     skip_if_all_unchanged([mlx_draft_row(name, v, d) for v, d in digests.items()])
@@ -144,7 +143,7 @@ def test_mlx_vlm_drafts_like_the_original_pair(engine_case, tmp_path, name):
     ref = report["pairs"]["reference"]
     assert ref["plain"].get("tokens"), ref
     assert_varied(ref["plain"]["tokens"])
-    if ENGINE_SOURCES[name].multimodal:
+    if name in MLX_DRAFTING_SOURCES:
         assert not judge_mlx_drafting(ORIGINAL, ref, ref)[1], ref  # the original pair drafts, and drafts something
         rows = [mlx_draft_row(name, v, d, *judge_mlx_drafting(v, report["pairs"]["reference" if v == ORIGINAL else v],
                                                               ref)) for v, d in digests.items()]

@@ -22,7 +22,7 @@ from converter.read.checkpoint import read_checkpoint
 from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DRAFT_CONTROLS,
                                      ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES,
                                      ENGINE_TP_SOURCES, ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES,
-                                     LLAMACPP_TRANSFORMERS, LOADER_ROWS, MIXED, MLX_DRAFT_CONTROL_SOURCES,
+                                     LLAMACPP_TRANSFORMERS, LOADER_ROWS, MIXED, MLX_DRAFTING_SOURCES,
                                      MLX_DRAFT_SOURCES, MLX_SOURCES, MLX_TRANSFORMERS, MLX_VLM_TRANSFORMERS, NEWEST,
                                      ORIGINAL, QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RANK_ENV, RANK_SOURCES,
                                      RANK_TP_SIZES, RELEASES, SGLANG_DRAFT_SOURCES, SGLANG_RELEASES, SGLANG_SOURCES,
@@ -110,7 +110,7 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
     # mlx-vlm drafting: the controls run beside a multimodal case only (a text-only one cannot draft there at all)
     want |= {(CHECK_DRAFT, name, variant, "", MLX_VLM_TRANSFORMERS, "", 1, "mlx-vlm") for name in MLX_DRAFT_SOURCES
              for variant in (ORIGINAL, "per-layer", "pad-global",
-                             *(DRAFT_CONTROLS if name in MLX_DRAFT_CONTROL_SOURCES else ()))}
+                             *(DRAFT_CONTROLS if name in MLX_DRAFTING_SOURCES else ()))}
     # SGLang's drafting on CPU, each release: `not run` rows, the original's beside the layouts'
     want |= {(CHECK_DRAFT, name, variant, "", tf, "", 1, "sglang") for name in SGLANG_DRAFT_SOURCES
              for variant in (ORIGINAL, "per-layer", "pad-global") for tf in SGLANG_RELEASES.values()}

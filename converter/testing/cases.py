@@ -565,10 +565,11 @@ QUERY_HEADS_SWAPPED = "assistant with its query heads swapped"
 # negative controls of a drafting check (tests/test_consumer_llamacpp.py, tests/test_consumer_mlx.py), run beside
 # the variants: they must draft otherwise than the original pair, or be refused
 DRAFT_CONTROLS = (MIXED, QUERY_HEADS_SWAPPED)
-# the cases a drafting check runs its controls beside: every llama.cpp one; mlx-vlm's where it can draft at all
-# (beside its multimodal model only: docs/PROOF.md, "Drafting in each consumer")
-MLX_DRAFT_CONTROL_SOURCES = tuple(n for n in MLX_DRAFT_SOURCES if ENGINE_SOURCES[n].multimodal)
-DRAFT_CONTROL_SOURCES = frozenset((*LLAMACPP_SOURCES, *MLX_DRAFT_CONTROL_SOURCES))
+# the cases mlx-vlm drafts at all: beside its multimodal model only (docs/PROOF.md, "Drafting in each consumer"); the
+# others' rows are `not run`
+MLX_DRAFTING_SOURCES = tuple(n for n in MLX_DRAFT_SOURCES if ENGINE_SOURCES[n].multimodal)
+# the cases a drafting check runs its controls beside: every llama.cpp one, and those mlx-vlm drafts
+DRAFT_CONTROL_SOURCES = frozenset((*LLAMACPP_SOURCES, *MLX_DRAFTING_SOURCES))
 
 
 def swap_query_heads(assistant: Path, out: Path) -> Path:
