@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
-from converter.advice.compat import CHECK_CONSUMER, CHECK_DRAFT, FAIL, PASS, LedgerRow
+from converter.advice.compat import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
 from converter.testing.cases import DRAFT_CONTROLS, ENGINE_SOURCES, ORIGINAL, EnginePair
 
@@ -64,6 +64,17 @@ def draft_distance(mine: list, theirs: list) -> tuple[int, float]:
 
 
 SAME_TENSORS = (ORIGINAL, "per-layer")  # every tensor the original's: its drafts must be the original's exactly
+
+
+def judge_fails_as_original(errors: dict[str, str | None], original: dict[str, str], why: str
+                            ) -> tuple[str, str, dict]:
+    """A pair the consumer cannot run, the original alike: each attempt's error ({attempt: error}) must be the
+    original's; one that fails otherwise, or not at all, fails the row. Else `not run`, with the original's errors."""
+    differ = [a for a in original if errors.get(a) != original[a]]
+    if differ:
+        return FAIL, "; ".join(f"{a}: the original fails with {original[a]}, this pair "
+                               f"{errors.get(a) or 'does not'}" for a in differ), {}
+    return NOT_RUN, f"{why}, the original alike: " + "; ".join(f"{a}: {e}" for a, e in original.items()), {}
 
 
 def record_as_expected(rows: list[LedgerRow]) -> None:

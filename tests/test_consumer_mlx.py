@@ -21,7 +21,7 @@ from converter.testing.cases import (DRAFT_CONTROLS, MLX_DRAFT_SOURCES, MLX_DRAF
 
 from _consumer_envs import consumer_python
 from _consumers import (AS_RESAVED, SAME_TENSORS, assert_varied, draft_distance, engine_case_row, engine_draft_row,
-                        max_diff, record_as_expected, run_check, variants_and_digests)
+                        judge_fails_as_original, max_diff, record_as_expected, run_check, variants_and_digests)
 from _ledger import skip_if_all_unchanged
 
 MLX = "mlx-lm"
@@ -109,10 +109,9 @@ def judge_mlx_drafting(variant: str, got: dict, ref: dict) -> tuple[str, str, di
 
 def judge_not_drafting(got: dict, ref: dict) -> tuple[str, str, dict]:
     """A case mlx-vlm cannot draft, the original alike: each variant must fail exactly as the original does."""
-    if got.get("drafting", {}).get("error") != ref["drafting"]["error"]:
-        return FAIL, f"the original cannot draft here ({ref['drafting']['error']}), this pair behaves otherwise", {}
-    return NOT_RUN, f"mlx-vlm drafts only beside its multimodal gemma4 model, the original alike: " \
-                    f"{ref['drafting']['error']}", {}
+    return judge_fails_as_original({"drafting": got.get("drafting", {}).get("error")},
+                                   {"drafting": ref["drafting"]["error"]},
+                                   "mlx-vlm drafts only beside its multimodal gemma4 model")
 
 
 def mlx_draft_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: str = "",

@@ -28,7 +28,7 @@ from converter.testing.cases import (ORIGINAL, SGLANG_DRAFT_SOURCES, SGLANG_LIMI
                                      SOURCES)
 
 from _consumer_envs import consumer_python
-from _consumers import record_as_expected, run_check
+from _consumers import judge_fails_as_original, record_as_expected, run_check
 from _ledger import skip_if_all_unchanged, today
 
 CONSUMER = "sglang"
@@ -111,12 +111,8 @@ def test_the_sglang_judge_can_fail():
 
 def judge_sglang_drafting(got: dict, ref: dict) -> tuple[str, str, dict]:
     """A pair SGLang cannot draft on CPU, the original alike: every attempt must fail exactly as the original's."""
-    differ = [a for a in ref if got.get(a, {}).get("error") != ref[a]["error"]]
-    if differ:
-        return FAIL, "; ".join(f"{a}: the original fails with {ref[a]['error']}, this pair "
-                               f"{got.get(a, {}).get('error') or 'does not'}" for a in differ), {}
-    return NOT_RUN, "SGLang's engine does not draft on CPU, the original alike: " + \
-        "; ".join(f"{a}: {ref[a]['error']}" for a in ref), {}
+    return judge_fails_as_original({a: got.get(a, {}).get("error") for a in ref}, {a: ref[a]["error"] for a in ref},
+                                   "SGLang's engine does not draft on CPU")
 
 
 @pytest.mark.vllm_loader
