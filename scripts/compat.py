@@ -44,7 +44,8 @@ TESTS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/t
 # --check: the tests that record only that check
 CHECK_TESTS = {CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: CONSUMER_TESTS,
                CHECK_ENGINE: ("tests/test_vllm_engine.py",),
-               CHECK_DRAFT: ("tests/test_consumer_llamacpp.py", "tests/test_consumer_mlx.py", "tests/test_consumer_sglang.py")}
+               CHECK_DRAFT: ("tests/test_consumer_llamacpp.py", "tests/test_consumer_mlx.py",
+                             "tests/test_consumer_sglang.py")}
 
 
 def build_envs(specs: list[str]) -> tuple[list[str], float]:

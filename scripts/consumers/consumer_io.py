@@ -7,7 +7,12 @@ Standard library only: each check runs under its consumer's own interpreter and 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import subprocess
+import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -25,6 +30,17 @@ def parse_pairs(description: str, argv: list[str] | None = None) -> tuple[dict[s
     return {"reference": args.reference, **{p.split("=", 1)[0]: Path(p.split("=", 1)[1]) for p in args.pair}}, args.json
 
 
+def in_own_process(script: str, pair: Path, timeout: float, env: dict[str, str] | None = None
+                   ) -> tuple[dict | None, subprocess.CompletedProcess]:
+    """`script --one PAIR --json OUT` under this interpreter, a process of the pair's own (a consumer's process-wide
+    state, its engine's workers, stay its own): (the JSON document it wrote, None if it failed; the process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "one.json"
+        proc = subprocess.run([sys.executable, script, "--one", str(pair), "--json", str(out)], capture_output=True,
+                              text=True, timeout=timeout, env={**os.environ, **(env or {})})
+        return (json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else None), proc
+
+
 def one_line(exc: BaseException) -> str:
     """"TypeError: first line of the message", at most 300 characters: what a row's detail quotes."""
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
@@ -40,7 +56,8 @@ def _placed(message: str, package: str, frames: list[tuple[str, str]]) -> str:
 
 
 def failure(exc: BaseException, package: str) -> str:
-    """one_line(exc) and where `package` raised it: "TypeError: ... (mlx_vlm/speculative/utils.py, run_rounds)"."""
+    """one_line(exc) and where `package` raised it:
+    "TypeError: ... (mlx_vlm/speculative/utils.py, run_speculative_rounds)"."""
     return _placed(one_line(exc), package, [(f.filename, f.name) for f in traceback.extract_tb(exc.__traceback__)])
 
 

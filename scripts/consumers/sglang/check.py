@@ -33,16 +33,14 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # scripts/consumers: run by path, not as a package
 sys.path.insert(0, str(HERE))
-from consumer_io import one_line, parse_pairs  # noqa: E402
+from consumer_io import in_own_process, one_line, parse_pairs  # noqa: E402
 import standins  # noqa: E402
 
 standins.install(["torchvision", "vllm._custom_ops"])
@@ -354,13 +352,10 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"sglang": version("sglang"), "transformers": version("transformers"), "torch": version("torch"),
               "pairs": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, pair in pairs.items():
-            result = Path(tmp) / f"{name}.json"
-            proc = subprocess.run([sys.executable, __file__, "--one", str(pair), "--json", str(result)],
-                                  capture_output=True, text=True, timeout=1800)
-            report["pairs"][name] = json.loads(result.read_text()) if result.exists() else \
-                {"error": f"check crashed (exit {proc.returncode}): {(proc.stderr.strip().splitlines() or ['-'])[-1]}"}
+    for name, pair in pairs.items():
+        result, proc = in_own_process(__file__, pair, timeout=1800)
+        report["pairs"][name] = result if result is not None else \
+            {"error": f"check crashed (exit {proc.returncode}): {(proc.stderr.strip().splitlines() or ['-'])[-1]}"}
     out.write_text(json.dumps(report))
     return 0
 

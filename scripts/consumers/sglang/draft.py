@@ -24,15 +24,13 @@ usage: draft.py --reference PAIR [--pair NAME=PAIR ...] --json OUT   (PAIR: a di
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # scripts/consumers: run by path, not as a package
 sys.path.insert(0, str(HERE))
-from consumer_io import NEW_TOKENS, PROMPT, logged_failure, one_line, parse_pairs  # noqa: E402
+from consumer_io import NEW_TOKENS, PROMPT, in_own_process, logged_failure, one_line, parse_pairs  # noqa: E402
 import standins  # noqa: E402
 
 standins.install(["torchvision", "vllm._custom_ops"])  # here, not in attempt(): SGLang's spawned workers import this
@@ -58,11 +56,10 @@ def attempt(pair: Path) -> dict:
     return {"tokens": out.get("output_ids"), "spec": {k: v for k, v in meta.items() if k.startswith("spec_")}}
 
 
-def run_attempt(pair: Path, env: dict[str, str], out: Path) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", str(pair), "--json", str(out)], capture_output=True,
-                          text=True, timeout=900, env={**os.environ, **env})
-    if proc.returncode == 0 and out.exists():
-        return json.loads(out.read_text())
+def run_attempt(pair: Path, env: dict[str, str]) -> dict:
+    result, proc = in_own_process(__file__, pair, timeout=900, env=env)
+    if result is not None:
+        return result
     log = proc.stderr + proc.stdout
     return {"error": logged_failure(log, "sglang") or f"exit {proc.returncode}: "
                                                      f"{(log.strip().splitlines() or ['-'])[-1][:300]}"}
@@ -79,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"sglang": version("sglang"), "transformers": version("transformers"), "torch": version("torch"),
               "attempts": list(ATTEMPTS), "pairs": {}}
     for name, pair in pairs.items():
-        report["pairs"][name] = {label: run_attempt(pair, env, out.with_suffix(f".{name}.{i}.json"))
-                                 for i, (label, env) in enumerate(ATTEMPTS.items())}
+        report["pairs"][name] = {label: run_attempt(pair, env) for label, env in ATTEMPTS.items()}
     out.write_text(json.dumps(report))
     return 0
 
