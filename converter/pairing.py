@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -125,15 +127,16 @@ def _kv_share(target: ModelSpec, assistant_layer) -> KvShare:
                    target_geometry=geometry)
 
 
-def serve_line(*, target: str | None, assistant: str | None, layout: str, tp: int | None = None) -> str:
+def serve_line(*, target: str | None, assistant: str | None, layout: str | None, tp: int | None = None) -> str:
     """The `vllm serve` command for a pair, by local path (convert) or repo id (cards), with the flags the layout
-    (a registered name; any other gets none) asks for (Layout.serve_flags)."""
+    (a registered name; any other, or None for a source as it is, gets none) asks for (Layout.serve_flags)."""
     target_ref = target or "<TARGET converted the same way>"
     assistant_ref = assistant or "<ASSISTANT converted the same way>"
     spec = ('{"method": "mtp", "model": "' + assistant_ref + f'", "num_speculative_tokens": '
             f'{DEFAULT_SPECULATIVE_TOKENS}}}')
-    command = f"vllm serve {target_ref} --speculative-config '{spec}'"
-    known = _known_layout(layout)
+    # quoted for the shell (a path with a space is one argument); the placeholder stays readable as it is
+    command = f"vllm serve {shlex.quote(target) if target else target_ref} --speculative-config {shlex.quote(spec)}"
+    known = _known_layout(layout) if layout else None
     command += known.serve_flags if known else ""
     if tp is not None:
         command += f" --tensor-parallel-size {tp}"

@@ -14,19 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .advice.serving import Decision, ServingEnv, decide, serving_notes, shape_of
+from .advice.serving import NO_CONVERSION, Decision, ServingEnv, decide, serving_notes, shape_of
 from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UnsupportedLayoutError, UsageError
 from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role
-from .hub.download import (LocalSource, fetch_weights, open_checkpoint, parse_repo_ref, published_assistant,
-                           resolve_source)
+from .hub.download import (ASSISTANT_SUFFIX, LocalSource, fetch_weights, open_checkpoint, parse_repo_ref,
+                           published_assistant, resolve_source)
 from .layouts import Layout, default_layout, get_layout
 from .layouts.base import layout_from_manifest
 from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, ShardPlan, index_document
 from .quantization import weights_per_element
-from .read.checkpoint import INDEX_NAME, MANIFEST_NAME, Checkpoint, read_checkpoint
+from .read.checkpoint import CARD_NAME, INDEX_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, Checkpoint, read_checkpoint
 from .read.sequential import PendingSha256, hashing_ahead, known_sha256
 from .validate.attention import has_fused_qkv
 from .write.budget import budget
@@ -34,7 +34,7 @@ from .write.engine import Writers, place_whole, rewrite_shard
 from .write.lock import output_lock
 from .write.manifest import MADE_WRITTEN, manifest_document
 from .write.placement import LINK_MODES, place_file, reflink_possible
-from .write.staging import make_directory, staged_directory, write_json
+from .write.staging import make_directory, staged_directory, write_json, write_text
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class ConvertRequest:
     tp: int | None = None  # the tensor-parallel size the user serves with (--tp): checked, named in the serve line
     # role -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[Role, Mapping[str, str]] = field(default_factory=dict, hash=False)
+    serving: ServingEnv | None = None  # the environment the layout was chosen for (recorded, quoted on the card)
     # source path -> its Checkpoint when already read another way (Hub headers over HTTP, hub.open_checkpoint);
     # every other source is read with read_checkpoint
     opened: Mapping[Path, Checkpoint] = field(default_factory=dict, hash=False)
@@ -274,7 +275,8 @@ def _write(plan: ConversionPlan, on_bytes: Callable[[int], None]) -> ConvertResu
             finishing.append((item.subdir, _write_checkpoint(
                 item, directory, link=plan.request.link, hashed=plan.request.hashed, paired=paired,
                 warnings=plan.warnings, on_bytes=on_bytes, tp=plan.request.tp, ahead=ahead, writers=writers,
-                origin=plan.request.origins.get(item.role))))
+                origin=plan.request.origins.get(item.role), card=_card_writer(plan, item),
+                serving=_serving_record(plan.request.serving))))
         for subdir, write_manifest in finishing:  # every file is started: now wait for the writes and hashes
             outputs[subdir], how = write_manifest()
             made.update({f"{subdir}/{name}".lstrip("/"): h for name, h in how.items()})
@@ -306,12 +308,13 @@ class PreparedConversion:
     """What `convert` settled before writing anything: the verb prints it before the progress bar starts."""
 
     job: ConvertJob
-    plan: ConversionPlan
+    plan: ConversionPlan | None  # None: the source serves as it is where the job serves, so nothing is planned
     # advice's decision where one was asked for (no --layout, or --serving): its layout is the one planned unless
     # --layout named another
     decision: Decision | None
     paired_assistant: tuple[str, str] | None  # (assistant repo, target repo): the Hub assistant paired automatically
     notes: tuple[str, ...]  # without --serving: what the user may not need (a source serving as it is, ...)
+    source_serve_line: str | None = None  # plan None: the `vllm serve` line for the sources themselves
 
 
 def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[PreparedConversion], None] = lambda p: None,
@@ -338,10 +341,13 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
     if not job.target_only:
         paired = _pair_published_assistant(job, sources, opened, api)
     decision = _decision(opened, job)
+    if _serves_as_it_is(decision, job):
+        return PreparedConversion(job=job, plan=None, decision=decision, paired_assistant=paired, notes=(),
+                                  source_serve_line=_source_serve_line(sources, opened)), None
     request = ConvertRequest(
         out=job.out, layout=job.layout or (decision.writes if decision else default_layout().name),
         layout_options=job.layout_options, force=job.force, max_shard_bytes=job.max_shard_bytes, link=job.link,
-        hashed=job.hashed, tp=job.tp, opened={sources[role].path: checkpoint for role, checkpoint in opened.items()},
+        hashed=job.hashed, tp=job.tp, serving=job.serving, opened={sources[role].path: checkpoint for role, checkpoint in opened.items()},
         origins={role: source.origin() for role, source in sources.items() if source.origin()},
         **{role.value: source.path for role, source in sources.items()})
     plan = plan_conversion(request)
@@ -380,6 +386,22 @@ def _decision(opened: Mapping[Role, Checkpoint], job: ConvertJob) -> Decision | 
         return None
     checkpoint = next(opened[r] for r in (Role.TARGET, Role.SINGLE, Role.ASSISTANT) if r in opened)
     return decide(shape_of(checkpoint.spec, fused=has_fused_qkv(checkpoint)), job.serving)
+
+
+def _serves_as_it_is(decision: Decision | None, job: ConvertJob) -> bool:
+    """No work for nothing: the environment named (or found beside the tool) serves the source as it is, and no
+    --layout asks for a conversion anyway."""
+    return decision is not None and decision.layout == NO_CONVERSION and job.layout is None and job.serving is not None
+
+
+def _source_serve_line(sources: Mapping[Role, LocalSource], opened: Mapping[Role, Checkpoint]) -> str:
+    """`vllm serve` for the sources as they are: a Hub repo by its id (at the default branch) or the snapshot that
+    was read (another revision), a local checkpoint by its path."""
+    refs: dict[str, str] = {}
+    for role, source in sources.items():
+        ref = source.repo_id if source.repo_id and source.revision in (None, "main") else str(source.path)
+        refs[opened[role].spec.role] = ref
+    return serve_line(target=refs.get(ROLE_TARGET), assistant=refs.get(ROLE_ASSISTANT), layout=None)
 
 
 def _import_in_background(module: str) -> None:
@@ -433,7 +455,9 @@ def _files_to_hash(plan: ConversionPlan, staging: Path) -> dict[Path, int]:
 def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, hashed: bool, paired: bool,
                       warnings: tuple[str, ...], on_bytes: Callable[[int], None],
                       ahead: Mapping[Path, PendingSha256], writers: Writers,
-                      origin: Mapping[str, str] | None = None, tp: int | None = None
+                      origin: Mapping[str, str] | None = None, tp: int | None = None,
+                      card: Callable[[dict[str, Any]], str] | None = None,
+                      serving: Mapping[str, Any] | None = None
                       ) -> Callable[[], tuple[dict[str, str | None], dict[str, str]]]:
     """Starts writing item's files into directory (its shards by `writers`, the small files at once); returns what
     waits for them and for the hashes, then writes the manifest (called after every checkpoint's files are started,
@@ -461,8 +485,11 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
         files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
     files["config.json"], made["config.json"] = write_json(directory / "config.json", plan.config), MADE_WRITTEN
     for name in plan.side_files:
-        made[name], digest = place_file(source.path / name, directory / name, link=link, hashed=hashed)
-        source_hashes[name] = files[name] = digest
+        if name == CARD_NAME and SOURCE_CARD_NAME in plan.side_files:
+            continue  # a source written by this tool: its card is rendered anew, the original's card kept
+        placed = SOURCE_CARD_NAME if name == CARD_NAME else name  # README.md is this tool's card
+        made[placed], digest = place_file(source.path / name, directory / placed, link=link, hashed=hashed)
+        source_hashes[name] = files[placed] = digest
 
     def write_manifest() -> tuple[dict[str, str | None], dict[str, str]]:
         for shard, placed in placing:
@@ -471,13 +498,47 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
                 digest = ahead[shard.same_as]
             files[shard.file_name] = source_hashes[shard.same_as.name] = digest
         resolved = {name: _resolved(digest) for name, digest in files.items()}
-        write_json(directory / MANIFEST_NAME, manifest_document(
+        document = manifest_document(
             item.plan, item.source, source_hashes={name: _resolved(digest) for name, digest in source_hashes.items()},
             output_hashes=resolved, made=made, link=link, hashed=hashed, paired=paired, warnings=warnings,
-            origin=origin, tp=tp))
+            origin=origin, tp=tp, serving=serving)
+        if card is not None:  # rendered from the manifest it then joins: the card never describes its own sha256
+            resolved[CARD_NAME] = write_text(directory / CARD_NAME, card(document))
+            made[CARD_NAME] = MADE_WRITTEN
+            document["output"]["files"][CARD_NAME], document["output"]["made"][CARD_NAME] = resolved[CARD_NAME], \
+                MADE_WRITTEN
+        write_json(directory / MANIFEST_NAME, document)
         return resolved, made
 
     return write_manifest
+
+
+def _serving_record(serving: ServingEnv | None) -> dict[str, Any] | None:
+    """conversion.json `serving`: the vLLM + transformers the layout was chosen for, and how they were named."""
+    if serving is None:
+        return None
+    how = "beside the tool" if serving.beside_tool else "--serving-python" if serving.python else "--serving"
+    return {"vllm": serving.vllm, "transformers": serving.transformers, "named_by": how}
+
+
+def _card_writer(plan: ConversionPlan, item: PlannedCheckpoint) -> Callable[[dict[str, Any]], str]:
+    """The card of item's output, from its manifest: named after OUT (a pair's assistant OUT-assistant, as
+    `upload OUT OWNER/NAME` names the repos), quoting the source's card's license."""
+    from .hub.card import output_card  # yaml and the ledger tables: only a written output needs them
+    from .hub.provenance import infer_base_model
+
+    name = plan.request.out.absolute().name
+    names = {ROLE_TARGET: name, ROLE_ASSISTANT: name + ASSISTANT_SUFFIX} if item.role is not Role.SINGLE else \
+        {item.plan.role: name}
+    partner = names.get(ROLE_ASSISTANT if item.plan.role == ROLE_TARGET else ROLE_TARGET)
+    kept = next((n for n in (SOURCE_CARD_NAME, CARD_NAME) if n in item.plan.side_files), None)
+    source_card = (item.source.path / kept).read_text(encoding="utf-8", errors="replace") if kept else None
+
+    def render(manifest: dict[str, Any]) -> str:
+        base = infer_base_model(manifest)
+        return output_card(manifest, name=names[item.plan.role], partner=partner, source_card=source_card,
+                           base_model=base.repo_id if base else None)
+    return render
 
 
 def _one_at_a_time(report: Callable[[int], None]) -> Callable[[int], None]:

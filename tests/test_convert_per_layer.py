@@ -117,9 +117,11 @@ def test_index_metadata_and_side_files(pair, tmp_path, run_cli):
     from safetensors import safe_open
     with safe_open(str(target / shards[0]), "pt") as handle:
         assert handle.metadata() == {"format": "pt"}
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
-                 "README.md"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         assert (target / name).read_bytes() == (pair / "target" / name).read_bytes()
+    # the source's card is kept beside this tool's, which is the output's README.md (an uploadable repo)
+    assert (target / "README.source.md").read_bytes() == (pair / "target" / "README.md").read_bytes()
+    assert (target / "README.md").read_text().startswith("---\n") and "gemma4-convert" in (target / "README.md").read_text()
     assert not (out / "assistant" / "model.safetensors.index.json").exists()  # single file stays single
     manifest = json.loads((target / "conversion.json").read_text())
     for name, digest in manifest["output"]["files"].items():

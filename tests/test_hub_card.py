@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from converter.advice.compat import NOT_RUN, load_ledger
-from converter.hub.card import BASE_MODEL_RELATION, render_card
+from converter.advice.ledger import version_key
+from converter.hub.card import render_card
 from converter.pairing import serve_line
 from converter.pipeline import ConvertRequest, plan_conversion, serve_command
 from converter.read.checkpoint import MANIFEST_NAME
@@ -35,7 +36,8 @@ def test_card_front_matter_serve_line_kv_cost_and_verification(converted):
                        source_front_matter={"license": "apache-2.0", "extra_gated_prompt": "x"}, source_card=True)
     front, body = card.split("---\n", 2)[1:]
     meta = yaml.safe_load(front)
-    assert meta["base_model"] == "google/gemma-4-31B-it" and meta["base_model_relation"] == BASE_MODEL_RELATION
+    # a re-layout changes no dtype: no `quantized` (nor any other) relation is claimed (docs/HUB.md)
+    assert meta["base_model"] == "google/gemma-4-31B-it" and "base_model_relation" not in meta
     assert meta["license"] == "apache-2.0" and "extra_gated_prompt" not in meta
     assert meta["library_name"] == "transformers" and "layout-pad-global" in meta["tags"]
     assert f"[google/gemma-4-31B-it](https://huggingface.co/google/gemma-4-31B-it) at commit `{SHA_MAIN}`" in body
@@ -55,11 +57,18 @@ def test_card_quotes_the_ledger_rows_of_its_layout(converted):
     card = render_card(manifest=manifest, verification=verification_doc(), repo_id="me/t", target_repo="me/t",
                        assistant_repo="me/a", base_model=None)
     section = card.split("## Proven with stock vLLM\n", 1)[1].split("\n## ", 1)[0]
-    rows = [r for r in load_ledger() if r.variant == "pad-global" and r.verdict != NOT_RUN]  # reasons prove nothing
+    rows = [r for r in load_ledger() if r.variant == "pad-global" and r.verdict != NOT_RUN  # reasons prove nothing
+            and r.consumer == "vllm"]
     assert rows, "the ledger holds no pad-global row"
-    for row in rows:
-        assert f"| {row.check} | {row.vllm}" in section and f"| {row.transformers} |" in section
-    assert "| loader | 0.27.0 |" in section and "| engine | 0.27.0 |" in section
+    lines = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| vLLM ")]
+    assert [line.split(" | ")[0][2:] for line in lines] == sorted({r.vllm for r in rows}, key=version_key)
+    for row in rows:  # each release's line names every transformers it was measured with
+        line = next(line for line in lines if line.startswith(f"| {row.vllm} |"))
+        assert row.transformers in line.split(" | ")[1]
+    engine = [r for r in rows if r.vllm == "0.27.0" and r.check == "engine" and r.tp == 1]
+    assert f"| {sum(r.verdict == 'pass' for r in engine)}/{len(engine)} |" in next(
+        line for line in lines if line.startswith("| 0.27.0 |"))
+    assert len(section.splitlines()) < 30 and "Error" not in section  # counts, never a consumer's exception text
 
 
 def test_card_for_an_assistant_without_verification_or_base_model(converted):

@@ -45,7 +45,7 @@ def test_an_existing_local_path_shaped_like_a_repo_id_stays_local(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     assert parse_repo_ref("acme/model") is None
     source = resolve_source("acme/model", purpose="full", api=ExplodingApi())
-    assert source.path == Path("acme/model") and source.repo_id is None and source.origin() == {}
+    assert source.path == (tmp_path / "acme" / "model").resolve() and source.repo_id is None and source.origin() == {}
 
 
 def test_full_download_reads_the_real_cache_offline(sources, offline_hub):

@@ -51,15 +51,16 @@ def test_upload_pair_calls_and_staged_files(converted, monkeypatch, run_cli):
     assert api.calls[2][1] == {"repo_id": "me/t", "repo_type": "model", "revision": None, "create_pr": False,
                                "commit_message": "hello"}
     target_upload = api.uploads[0]
-    expected = {p.name for p in (converted / "target").iterdir()} - {"README.md"} | {"README.md", "README.source.md"}
-    assert set(target_upload["files"]) == expected
-    assert target_upload["files"]["README.source.md"] == (converted / "target" / "README.md").resolve()
+    expected = {p.name for p in (converted / "target").iterdir()}  # convert wrote README.md and README.source.md
+    assert set(target_upload["files"]) == expected and {"README.md", "README.source.md"} <= expected
+    assert target_upload["files"]["README.source.md"] == (converted / "target" / "README.source.md").resolve()
     assert target_upload["files"]["model-00001-of-00002.safetensors"] == \
         (converted / "target" / "model-00001-of-00002.safetensors").resolve()
     assert target_upload["files"]["README.md"] is None and target_upload["card"].startswith("---\n")
     assert "\"model\": \"me/a\"" in target_upload["card"] and "\"model\": \"me/a\"" in api.uploads[1]["card"]
     assert "uploaded me/t: https://huggingface.co/me/t/commit/" in result.out
-    assert not (converted / "target" / "README.source.md").exists()  # DST is never modified
+    assert target_upload["card"] != (converted / "target" / "README.md").read_text()  # rendered anew: repo ids
+    assert "me/t" not in (converted / "target" / "README.md").read_text()  # DST is never modified
 
 
 def test_upload_to_a_branch_and_as_a_pull_request(converted, monkeypatch, run_cli):
@@ -81,7 +82,7 @@ def test_upload_to_a_branch_and_as_a_pull_request(converted, monkeypatch, run_cl
     ("failed", [], 1, "verification FAILED (first failure: target layer 2: error 0.003 is 3.0x"),
     ("none", ["--no-verify"], 0, ""),
     ("failed", ["--no-verify"], 0, ""),
-    ("ok", ["REPO"], 2, "give --target-repo and --assistant-repo (not REPO_ID)"),
+    ("ok", ["REPO", "--target-repo", "me/t"], 2, "give --target-repo and --assistant-repo (not REPO_ID)"),
     ("ok", ["--target-repo", "me/t"], 2, "give --target-repo and --assistant-repo"),
 ])
 def test_upload_refusals(sources, tmp_path, monkeypatch, run_cli, setup, args, code, fragment):
@@ -95,6 +96,20 @@ def test_upload_refusals(sources, tmp_path, monkeypatch, run_cli, setup, args, c
     assert result.code == code, result.err
     assert fragment in result.err
     assert bool(api.calls) == (code == 0)
+
+
+def test_a_pair_uploads_to_repo_id_and_repo_id_assistant(sources, tmp_path, monkeypatch, run_cli):
+    """The README's `upload DST you/NAME` for a pair: the target to you/NAME, the assistant to you/NAME-assistant
+    (the name convert looks a Hub target's assistant up by), each card serving the pair by those ids."""
+    dst = convert_pair(sources, tmp_path / "dst", verification=verification_doc())
+    api = FakeHfApi()
+    use_api(monkeypatch, api)
+    result = run_cli("upload", dst, "me/gemma-4-31B-it-vllm")
+    assert result.code == 0, result.err
+    assert [u["repo_id"] for u in api.uploads] == ["me/gemma-4-31B-it-vllm", "me/gemma-4-31B-it-vllm-assistant"]
+    for upload in api.uploads:
+        assert "vllm serve me/gemma-4-31B-it-vllm --speculative-config '{\"method\": \"mtp\", \"model\": " \
+               "\"me/gemma-4-31B-it-vllm-assistant\"" in upload["card"]
 
 
 def test_upload_single_checkpoint_card_has_a_placeholder_partner(converted, monkeypatch, run_cli):
@@ -174,7 +189,7 @@ def test_base_model_comes_from_the_hub_source_recorded_at_convert_time(sources, 
     result = run_cli("upload", out, "me/a", "--dry-run", "--no-verify")
     assert result.code == 0, result.err
     meta = yaml.safe_load(result.out.split("--- me/a/README.md ---\n", 1)[1].split("---\n", 2)[1])
-    assert meta["base_model"] == ASSISTANT_REPO and meta["base_model_relation"] == "quantized"
+    assert meta["base_model"] == ASSISTANT_REPO and "base_model_relation" not in meta
     assert f"at commit `{SHA_MAIN}`" in result.out and "Any transformers 5.x" in result.out
     override = run_cli("upload", out, "me/a", "--dry-run", "--no-verify", "--base-model", "google/other")
     assert "base_model: google/other" in override.out
@@ -209,6 +224,7 @@ def test_uploaded_files_hold_no_local_path(sources, tmp_path, monkeypatch, run_c
                    "--layout", "pad-global").code == 0
     assert run_cli("verify", "--target", local / "target", "--assistant", local / "assistant", "--converted", out,
                    "--device", "cpu").code == 0
+    cards = {p: p.read_bytes() for p in out.rglob("README*")}
     on_disk = json.loads((out / "target" / MANIFEST_NAME).read_text())
     assert on_disk["source"]["path"] == str((local / "target").resolve())  # kept locally: re-conversion refusal
     api = FakeHfApi()
@@ -229,7 +245,7 @@ def test_uploaded_files_hold_no_local_path(sources, tmp_path, monkeypatch, run_c
     assert result.err.count("note: base model unknown for ") == 1 and result.err.count("\n") == 1
     assert "pass --base-model OWNER/NAME" in result.err
     assert "base model: unknown" in api.uploads[0]["card"] and "base_model" not in card_meta(api.uploads[0]["card"])
-    assert not (out / "target" / "README.source.md").exists()  # DST untouched
+    assert {p: p.read_bytes() for p in out.rglob("README*")} == cards  # DST untouched
     assert json.loads((out / "target" / MANIFEST_NAME).read_text()) == on_disk
 
 

@@ -23,6 +23,7 @@ import pytest
 from converter.write import placement
 
 WRITTEN = "written"
+SOURCE_CARDS = {"README.source.md": "README.md"}  # output name -> source name; the output's README.md is the card
 
 
 def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
@@ -51,7 +52,8 @@ def _check_made(src: Path, out: Path, link: str) -> dict[str, str]:
         assert made["config.json"] == WRITTEN and not os.path.samefile(out / role / "config.json",
                                                                          src / role / "config.json")
         for name, how in made.items():
-            produced, original = out / role / name, src / role / name
+            source_name = SOURCE_CARDS.get(name, name)  # the source's README.md is kept as README.source.md
+            produced, original = out / role / name, src / role / source_name
             seen[f"{role}/{name}"] = how
             if how == WRITTEN:
                 assert hashes[name] == hashlib.sha256(produced.read_bytes()).hexdigest()
@@ -64,9 +66,9 @@ def _check_made(src: Path, out: Path, link: str) -> dict[str, str]:
                 assert os.readlink(produced) == str(original.resolve())
             if how == "copy":  # read, so hashed (once: the output's sha256 is the source's)
                 digest = hashlib.sha256(original.read_bytes()).hexdigest()
-                assert hashes[name] == manifest["source"]["files"][name] == digest
+                assert hashes[name] == manifest["source"]["files"][source_name] == digest
             else:  # never read: no hash claimed
-                assert hashes[name] is None and manifest["source"]["files"][name] is None
+                assert hashes[name] is None and manifest["source"]["files"][source_name] is None
         assert manifest["output"]["link"] == link
     return seen
 
@@ -158,7 +160,7 @@ def test_hardlink_semantics_are_what_convert_says(pair, tmp_path, run_cli):
     """An in-place write to a hard-linked output changes the source too (the printed NOTE); a copy does not."""
     out = tmp_path / "out"
     assert _convert(run_cli, pair, out, layout="per-layer", link="hardlink").code == 0
-    readme = out / "target" / "README.md"
+    readme = out / "target" / "README.source.md"  # the source's README.md, hard-linked under the name it travels by
     with open(readme, "r+b") as handle:
         handle.write(b"#")
     assert (pair / "target" / "README.md").read_bytes().startswith(b"#")
@@ -294,7 +296,8 @@ def test_no_hash_leaves_the_weight_hashes_null_and_still_verifies(pair, tmp_path
         assert manifest["output"]["hashed"] is False
         made = manifest["output"]["made"]
         for name, digest in manifest["output"]["files"].items():
-            small = name.endswith(".json") and made[name] == WRITTEN  # config, index: from memory, hashed for free
+            # config, index, the card: from memory, hashed for free
+            small = (name.endswith(".json") or name == "README.md") and made[name] == WRITTEN
             assert (digest is not None) == small, (name, digest)
             if small:
                 assert digest == hashlib.sha256((out / role / name).read_bytes()).hexdigest()

@@ -54,17 +54,25 @@ def test_inspect_recommends_what_the_ledger_measured_for_the_release(originals, 
 def test_convert_without_layout_writes_what_the_ledger_measured_for_the_release(originals, run_cli, tmp_path,
                                                                                release, case):
     """No --layout: the first layout the release's rows prove, said in one line; a source that already serves
-    there is said to, and still converted."""
+    there is said to, and nothing is written (--layout converts anyway)."""
     expected = measured_layout(case, release.vllm, variants=("per-layer", "pad-global"))
     source = originals[case]
-    result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
-                     "--out", tmp_path / "out", "--serving", f"vllm=={release.vllm}", "--dry-run")
+    args = ("convert", "--target", source / "target", "--assistant", source / "assistant", "--out", tmp_path / "out",
+            "--serving", f"vllm=={release.vllm}")
+    result = run_cli(*args, "--dry-run")
     assert result.code == 0, result.err
     chosen = [line for line in result.out.splitlines() if line.startswith("chosen: --layout ")]
+    if measured_layout(case, release.vllm) == NO_CONVERSION:
+        assert result.out.startswith(f"vLLM {release.vllm}: the source serves as it is (measured); nothing to "
+                                     "convert, nothing written"), result.out
+        assert not chosen and f"vllm serve {source / 'target'} " in result.out
+        forced = run_cli(*args, "--layout", expected, "--dry-run")  # an explicit layout plans it, as before
+        assert forced.code == 0 and f"layout {expected}: " in forced.out
+        assert f"the source already serves as it is with vLLM {release.vllm}" in forced.out
+        return
     assert len(chosen) == 1 and chosen[0].startswith(f"chosen: --layout {expected}: "), result.out
     assert f"layout {expected}: " in result.out  # the plan is made with it
-    serves = measured_layout(case, release.vllm) == NO_CONVERSION
-    assert (f"the source already serves as it is with vLLM {release.vllm}" in result.out) == serves
+    assert "the source already serves as it is" not in result.out
 
 
 def test_a_patch_release_the_ledger_lacks_is_answered_by_its_proven_minor(originals, run_cli):
@@ -138,9 +146,9 @@ def test_the_tables_hub_columns_are_what_convert_chooses(originals, run_cli, tmp
             result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
                              "--out", tmp_path / "out", "--serving", f"vllm=={line['vllm']}", "--dry-run")
             assert result.code == 0, result.err
-            serves = f"the source already serves as it is with vLLM {line['vllm']}" in result.out
+            serves = f"vLLM {line['vllm']}: the source serves as it is (measured); nothing to convert" in result.out
             chosen = [c for c in result.out.splitlines() if c.startswith("chosen: --layout ")]
-            assert len(chosen) == 1, result.out
+            assert len(chosen) == (0 if serves else 1), result.out
             assert serves == (column == NO_CONVERSION), (line["vllm"], case, result.out)
             if not serves:
                 assert chosen[0].startswith(f"chosen: --layout {column}: "), (line["vllm"], case, chosen)
@@ -161,7 +169,13 @@ def test_where_no_row_answers_the_rules_do_and_say_predicted(originals, run_cli,
     result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
                      "--out", tmp_path / "out", "--serving", "vllm==0.40.0", "--dry-run")
     assert result.code == 0, result.err
-    chosen = [line for line in result.out.splitlines() if line.startswith("chosen: --layout ")]
-    assert len(chosen) == 1 and "predicted from the rules" in chosen[0] and "measured:" not in chosen[0]
+    assert result.out.startswith("vLLM 0.40.0: the source serves as it is (predicted from the rules, not measured); "
+                                 "nothing to convert"), result.out
+    assert "serve it as it is (predicted for vLLM 0.40.0, no ledger row of that release; check it there first: " \
+        "make vllm-check" in result.out and "with stock vLLM 0.40.0:" not in result.out
+    forced = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
+                     "--out", tmp_path / "out", "--serving", "vllm==0.40.0", "--layout", "per-layer", "--dry-run")
+    chosen = [line for line in forced.out.splitlines() if line.startswith("note: for vLLM 0.40.0")]
+    assert forced.code == 0 and "layout per-layer: " in forced.out
     nothing = json.loads(run_cli("inspect", target, "--serving", "vllm==0.20.0", "--json").out)["recommendation"]
     assert nothing["layout"] is None and nothing["basis"] is None  # neither rows nor rules answer before 0.21

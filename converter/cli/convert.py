@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ..advice.serving import MEASURED
 from ..cost import human_bytes
 from ..errors import UsageError
 from ..gemma4 import Role
@@ -101,14 +102,45 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
 
         ready, result = convert(job, api=hub_api_for(ctx, sources.values()), on_prepared=prepared,
                                 on_bytes=lambda n: progress[0].update(n))
+    if ready.plan is None:
+        _print_serves_as_it_is(ready)
+        return
     if result is None:
         click.echo("dry run: nothing written")
         return
     click.echo(f"wrote {out} ({human_bytes(ready.plan.output_bytes)} of tensors{_made_summary(result)})")
-    click.echo(f"serve it with stock {job.serving.label() if job.serving else 'vLLM'}:")
+    click.echo(_serve_heading(ready))
     if flat_keys_only:
         click.echo("  (--flat-keys-only needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
     click.echo(f"  {serve_command(ready.plan)}")
+
+
+def _serve_heading(ready: PreparedConversion) -> str:
+    """"serve it with stock vLLM X:" only where the ledger has rows of X; a prediction says so and how to check."""
+    decision, serving = ready.decision, ready.job.serving
+    if serving is None:
+        return "serve it with stock vLLM:"
+    if decision is not None and decision.tested and decision.basis == MEASURED:
+        return f"serve it with stock {serving.label()}:"
+    return (f"serve it with stock {serving.label()} (predicted, no ledger row of that release; check the output "
+            f"there first: make vllm-check TARGET=... ASSISTANT=...):")
+
+
+def _print_serves_as_it_is(ready: PreparedConversion) -> None:
+    """No work for nothing: the verdict, and the serve line for the sources themselves."""
+    decision, serving = ready.decision, ready.job.serving
+    basis = "measured" if decision.basis == MEASURED else "predicted from the rules, not measured"
+    click.echo(f"{serving.introduced()}: the source serves as it is ({basis}); nothing to convert, nothing written "
+               "(--layout LAYOUT converts anyway)")
+    if ready.paired_assistant:
+        repo_id, target = ready.paired_assistant
+        click.echo(f"assistant: {repo_id} (published beside {target})")
+    if decision.tested and decision.basis == MEASURED:
+        click.echo(f"serve it as it is with stock {serving.label()}:")
+    else:
+        click.echo(f"serve it as it is (predicted for {serving.label()}, no ledger row of that release; check it there "
+                   "first: make vllm-check TARGET=... ASSISTANT=...):")
+    click.echo(f"  {ready.source_serve_line}")
 
 
 def _print_prepared(ready: PreparedConversion) -> None:
@@ -120,7 +152,9 @@ def _print_prepared(ready: PreparedConversion) -> None:
     decision, job = ready.decision, ready.job
     if decision is not None:
         if job.layout is None:
-            click.echo(f"chosen: --layout {decision.writes_why}")
+            found = f" [{job.serving.introduced()}; --serving names another]" if job.serving and \
+                job.serving.beside_tool else ""
+            click.echo(f"chosen: --layout {decision.writes_why}{found}")
         elif job.serving is not None and decision.writes != job.layout:
             click.echo(f"note: for {job.serving.label()} the ledger chooses {decision.writes_why}")
         if decision.serves_as_is:

@@ -19,12 +19,13 @@ from ._common import SOURCE_HEADERS, echo_json, kv_cost_lines, serving_env, serv
 @click.command("inspect")
 @click.argument("src", type=SOURCE_HEADERS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (keys: docs/CLI.md).")
+@click.option("--verbose", "-v", is_flag=True, help="Add the evidence: the ledger rows and rules each verdict rests on.")
 @serving_options
 @click.option("--tp", type=click.IntRange(min=1), default=None, metavar="N",
               help="The tensor-parallel size you serve with: what each rank holds per layer type as is and after "
                    "pad-global, pad-global's KV price at that size, and a size vLLM refuses for this geometry "
                    "(exit 3).")
-def command(src: LocalSource, as_json: bool, serving_python: Path | None, serving_spec: str | None,
+def command(src: LocalSource, as_json: bool, verbose: bool, serving_python: Path | None, serving_spec: str | None,
             tp: int | None) -> None:
     """Describe a checkpoint from config.json and safetensors headers only (no tensor data is read).
 
@@ -35,13 +36,47 @@ def command(src: LocalSource, as_json: bool, serving_python: Path | None, servin
     if as_json:
         echo_json(report)
     else:
-        render(report)
+        render(report, verbose=verbose)
     if report["problems"]:  # the report is printed either way; the exit code says it is not a sound checkpoint
         raise InputError(f"{len(report['problems'])} problem(s) reported; the first: {report['problems'][0]}")
 
 
-def render(report: dict[str, Any]) -> None:
+def verdict_line(report: dict[str, Any]) -> str:
+    """inspect's first line: the answer to "does my vLLM serve this, and if not, which layout does"."""
+    rec, stock = report["recommendation"], report["stock_vllm"]
+    env = rec["environment"]
+    if env is not None:
+        where = f"vLLM {env['vllm']}" + (f" + transformers {env['transformers']}" if env["transformers"] else "") + \
+            (" found beside the tool" if env.get("beside_tool") else "")
+        outcome = env["outcome"]
+        as_is = f"as it is, the source {_outcome_words(outcome)}"
+    else:
+        where = f"vLLM {stock['vllm']} (no vLLM named or beside the tool)"
+        old, new = stock["transformers<5.15"], stock["transformers>=5.15"]
+        as_is = f"as it is, {_outcome_words(old)} with transformers<5.15 and >=5.15" if old == new else \
+            f"as it is, {_outcome_words(old)} with transformers<5.15, {_outcome_words(new)} with >=5.15"
+    return f"{where}: {as_is}; {_answer_words(rec)}"
+
+
+def _outcome_words(verdict: dict[str, Any]) -> str:
+    words = {"loads": "serves", "fails": "fails", "loads wrong": "loads WRONG (silent garbage)",
+             "unknown": "is not measured"}.get(verdict["outcome"], verdict["outcome"])
+    return words + (f" ({verdict['error'].split(':')[0]})" if verdict["error"] else "")
+
+
+def _answer_words(rec: dict[str, Any]) -> str:
+    basis = "proven" if rec["proven"] else "predicted, not measured" if rec["basis"] == PREDICTED else \
+        "measured with the release's other transformers" if rec["basis"] else "nothing measured or predicted"
+    if rec["layout"] == NO_CONVERSION:
+        return f"no conversion needed ({basis})"
+    if rec["layout"] is None:
+        return "no layout of this tool is proven to serve it there"
+    return f"--layout {rec['layout']} serves it ({basis})"
+
+
+def render(report: dict[str, Any], *, verbose: bool = False) -> None:
     g = report["geometry"]
+    click.echo(verdict_line(report))
     click.echo(f"{report['path']}: {report['kind']}")
     click.echo(f"  config dialect: {report['dialect']['name']} - {report['dialect']['note']}")
     click.echo(f"  geometry: hidden {g['hidden_size']}, {g['num_attention_heads']} heads, head_dim {g['head_dim']} / "
@@ -90,16 +125,29 @@ def render(report: dict[str, Any]) -> None:
     for generation in ("transformers<5.15", "transformers>=5.15"):
         verdict = report["stock_vllm"][generation]
         error = f" ({verdict['error']})" if verdict["error"] else ""
-        click.echo(f"    with {generation}: {verdict['outcome']}{error} - {verdict['detail']}")
+        click.echo(f"    with {generation}: {verdict['outcome']}{error}"
+                   + (f" - {verdict['detail']}" if verbose else ""))
     if report["stock_vllm"]["silent_truncation_risk"]:
         click.echo(f"    risk: {report['stock_vllm']['silent_truncation_risk']}")
-    render_recommendation(report["recommendation"])
+    render_recommendation(report["recommendation"], verbose=verbose)
     render_costs(report)
     for proof in report["drafting"]:
         click.echo(f"  drafts in {proof['consumer']} {', '.join(proof['versions'])} ({proof['rows']} ledger rows): "
                    + proof["command"].splitlines()[-1])
     if report["tensor_parallel"]:
         render_tensor_parallel(report["tensor_parallel"])
+
+
+SHORT_LINE = 160  # characters of a "why" shown without --verbose
+
+
+def _first_clause(text: str) -> str:
+    """The decision's reason up to where its evidence starts (the rows behind it are --verbose's)."""
+    for marker in (": measured", " (measured", "; predicted", ": not proven", " (nearest", ": kv_sharing", "; "):
+        head, found, _ = text.partition(marker)
+        if found and head:
+            text = head
+    return text if len(text) <= SHORT_LINE else text[:SHORT_LINE - 3].rsplit(" ", 1)[0] + " ..."
 
 
 def _free_and_costly(changed) -> tuple[list[str], list[Any]]:
@@ -147,22 +195,27 @@ def render_tensor_parallel(tp: dict[str, Any]) -> None:
             click.echo(f"    {layout.name} at this size: {problem}")
 
 
-def render_recommendation(rec: dict[str, Any]) -> None:
+def render_recommendation(rec: dict[str, Any], *, verbose: bool = False) -> None:
     env = rec["environment"]
     if env is not None:
         outcome = env["outcome"]
-        where = f" ({env['python']})" if env["python"] else " (declared)"
+        where = " (found beside the tool)" if env.get("beside_tool") else f" ({env['python']})" if env["python"] \
+            else " (declared)"
         versions = f"vLLM {env['vllm']}" + (f" + transformers {env['transformers']}" if env["transformers"] else "")
         click.echo(f"  your serving environment{where}: {versions}"
                    f"{'' if env['tested'] else ' (not in the compatibility ledger)'}"
                    f": {outcome['outcome']}" + (f" ({outcome['error']})" if outcome["error"] else ""))
+        if verbose:
+            for row in env["evidence"]:
+                click.echo(f"    evidence: {row}")
+    why = rec["why"] if verbose else _first_clause(rec["why"])
     if rec["layout"] in (None, NO_CONVERSION):
         verdict = "no conversion needed" if rec["no_conversion_needed"] else "none proven"
-        click.echo(f"  recommendation: {verdict} - {rec['why']}")
+        click.echo(f"  recommendation: {verdict} - {why}")
         return
     proven = "" if rec["proven"] else " (predicted from the rules, not measured)" if rec["basis"] == PREDICTED else \
         " (not proven in exactly this environment)"
-    click.echo(f"  recommendation: --layout {rec['layout']}{proven} - {rec['why']}")
+    click.echo(f"  recommendation: --layout {rec['layout']}{proven} - {why}")
     at = next((rec[key] for key in rec if key.endswith("_at_tp")), None)
     if at:
         click.echo(f"    at TP {at['tp']} its KV cache costs x{at['kv_cache_ratio_per_rank']:g} per rank")

@@ -1,22 +1,23 @@
 """The model card (README.md) an upload writes, rendered from conversion.json and verification.json (pure, no I/O).
 
 Front matter follows the Hub's model-card metadata (https://huggingface.co/docs/hub/model-cards): `base_model` is the
-source repo, `base_model_relation` one of "adapter", "merge", "quantized", "finetune". A re-layout is none of them
-exactly; "quantized" is the closest: the Hub files every same-function re-encoding of a base model (GGUF, MLX, ONNX,
-AWQ...) under it, and these weights compute what the base computes (verification.json measures it), while
-"finetune" (what the Hub infers for a safetensors repo left unlabelled) would claim training that never happened,
-"adapter" needs the base at load time and "merge" combines several parents. The prose says plainly that nothing was
-trained and no dtype changed.
+source repo; `base_model_relation` is left out, since none of "adapter", "merge", "quantized", "finetune" describes a
+re-layout (no dtype changed, nothing trained; docs/HUB.md, "The model card"). The prose says so plainly.
+
+`convert` writes this card as each role's README.md (placeholders for the repo ids); `upload` renders it again with
+the repo ids and verification.json.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 import yaml
 
 from .. import __version__
-from ..advice.compat import CHECK_DRAFT, PASS, consumer_table, load_ledger, summarize
+from ..advice.compat import CHECK_DRAFT, PASS, consumer_table, load_ledger
+from ..advice.ledger import CHECK_ENGINE, CHECK_LOADER, NOT_RUN, VLLM, version_key
 from ..advice.consumers import command_language, drafting_command, drafting_proofs
 from ..cost import human_bytes, kv_costs
 from ..errors import InputError, UsageError
@@ -25,13 +26,49 @@ from ..layouts import Layout, default_layout
 from ..layouts.base import layout_from_manifest
 from ..pairing import serve_line
 
-BASE_MODEL_RELATION = "quantized"
 # Keys of the source card's front matter that still hold for the converted weights.
 CARRIED_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag")
+_FRONT_MATTER = re.compile(r"^---\s*\n(.*?)\n---\s*(\n|$)", flags=re.S)
+
+
+def front_matter_of(card: str) -> dict[str, Any] | None:
+    """A model card's YAML front matter (license, language, tags...), or None where it has none readable."""
+    match = _FRONT_MATTER.match(card)
+    if match is None:
+        return None
+    try:
+        data = yaml.safe_load(match.group(1))
+    except yaml.YAMLError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+PLACEHOLDER_OWNER = "OWNER"  # convert's card: the repo ids `upload DST OWNER/NAME` fills in
+
+
+def output_card(manifest: Mapping[str, Any], *, name: str, partner: str | None, source_card: str | None,
+                base_model: str | None) -> str:
+    """The card `convert` writes as README.md: the output's own, with placeholder repo ids (OWNER/NAME, the
+    assistant OWNER/NAME-assistant as `upload DST OWNER/NAME` names them) and no verification yet.
+
+    Args:
+        manifest: the checkpoint's conversion.json document.
+        name: the repo name this checkpoint would get; partner: its partner's, in a pair.
+        source_card: the text of the source's README.md (kept beside as README.source.md), if it had one.
+        base_model: the source's Hub repo id, if known.
+    """
+    own = f"{PLACEHOLDER_OWNER}/{name}"
+    other = f"{PLACEHOLDER_OWNER}/{partner}" if partner else None
+    target, assistant = (own, other) if manifest.get("role") == ROLE_TARGET else (other, own)
+    return render_card(manifest=manifest, verification=None, repo_id=own, target_repo=target, assistant_repo=assistant,
+                       base_model=base_model, source_front_matter=front_matter_of(source_card) if source_card else None,
+                       source_card=source_card is not None, verified=False)
+
+
 def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] | None, repo_id: str,
                 target_repo: str | None, assistant_repo: str | None, base_model: str | None,
                 source_front_matter: Mapping[str, Any] | None = None, source_card: bool = False,
-                engine_report: Mapping[str, Any] | None = None) -> str:
+                engine_report: Mapping[str, Any] | None = None, verified: bool | None = None) -> str:
     """README.md for one converted checkpoint.
 
     Args:
@@ -43,6 +80,7 @@ def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] 
         source_front_matter: the source README's YAML front matter; license/language keys are carried over.
         source_card: the source's README.md is uploaded beside the card as README.source.md.
         engine_report: the JSON report of `make serve-check` for this pair (DST/serve_check.json), if one was run.
+        verified: False for convert's card (verify has not run yet); None: verification None means --no-verify.
 
     Returns:
         The card text: YAML front matter, then Markdown.
@@ -57,9 +95,9 @@ def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] 
                        manifest.get("tensor_parallel_size")),
         *([_drafting_section(variant, str(manifest.get("layout")), target_repo, assistant_repo)]
           if layout is not None else []),
-        _proof_section(variant),
+        _proof_section(variant, manifest.get("serving")),
         f"## KV-cache cost\n\n{_kv_text(manifest, role, layout)}",
-        _verification_section(verification),
+        _verification_section(verification, pending=verified is False),
         *([_engine_section(engine_report)] if engine_report else []),
         _provenance_section(manifest, verification, source_card=source_card),
     ]
@@ -71,7 +109,6 @@ def _front_matter(manifest: Mapping[str, Any], base_model: str | None,
     meta: dict[str, Any] = {}
     if base_model:
         meta["base_model"] = base_model
-        meta["base_model_relation"] = BASE_MODEL_RELATION
     meta["library_name"] = "transformers"
     for key in CARRIED_KEYS:
         if source_front_matter and source_front_matter.get(key) is not None:
@@ -154,39 +191,54 @@ RESAVE_NOTE = ("Use and re-upload `config.json` as it is: re-saving it with tran
                f"`gemma4-convert convert DIR --layout {default_layout().name}` mends it (config only, seconds).")
 
 
-def _proof_section(variant: str) -> str:
-    """The compatibility ledger's rows for this layout (`gemma4-convert compat --layout L` prints the same)."""
-    lines = summarize(r for r in load_ledger() if r.variant == variant)
-    if not lines:
+def _proof_section(variant: str, serving: Mapping[str, Any] | None = None) -> str:
+    """The compatibility ledger for this layout, one line per vLLM release (the serving release the conversion was
+    made for in bold), then one line per other consumer: counts only; the rows are `gemma4-convert compat`'s."""
+    rows = [r for r in load_ledger() if r.variant == variant and r.verdict != NOT_RUN and r.consumer == VLLM]
+    if not rows:
         return ("## Proven with stock vLLM\n\nThis version of gemma4-convert records no stock-vLLM run of this layout "
                 "(`gemma4-convert compat`).")
-    table = ["| check | vLLM | transformers | TP | passed | measured |", "|---|---|---|---|---|---|"]
-    table += [f"| {s['check']} | {s['vllm']}{' (off-pin torch)' if s['off_pin'] else ''} | {s['transformers']} | "
-              f"{s['tp']} | {s['passed']}/{s['rows']} synthetic cases | {s['measured']} |" for s in lines]
-    table += _consumer_lines(variant)
-    return ("## Proven with stock vLLM\n\nThe converter's compatibility ledger for this layout: the stock vLLM "
-            "loader (every loaded tensor equal to the checkpoint's) and the vLLM CPU engine (the same greedy tokens "
-            "and draft proposals as the original pair) on synthetic pairs with Gemma 4's real names and ratios, "
-            "each row tied to the digest of the output this converter version writes; `consumer` rows: transformers' "
-            "`from_pretrained` of target and assistant giving the original's logits and greedy tokens, with and "
-            "without the assistant.\n\n" + "\n".join(table))
+    mine = str((serving or {}).get("vllm") or "")
+    table = ["| vLLM | transformers | stock loader | CPU engine | TP 2/4/8 | measured |", "|---|---|---|---|---|---|"]
+    for vllm in sorted({r.vllm for r in rows}, key=version_key):
+        release = [r for r in rows if r.vllm == vllm]
+        cells = [_count_cell([r for r in release if r.check == check and r.tp == 1]) for check in (CHECK_LOADER,
+                                                                                                 CHECK_ENGINE)]
+        cells.append(_count_cell([r for r in release if r.tp != 1]))
+        name = f"**{vllm}** (yours)" if vllm == mine else vllm
+        transformers = ", ".join(sorted({r.transformers for r in release if r.transformers}, key=version_key))
+        table.append(f"| {name} | {transformers} | {' | '.join(cells)} | {max(r.measured for r in release)} |")
+    consumers = _consumer_lines(variant)
+    return ("## Proven with stock vLLM\n\nThe converter's compatibility ledger for this layout, as cases passed of "
+            "cases run on synthetic pairs with Gemma 4's real names and ratios, each row tied to the digest of the "
+            "output this converter version writes: the stock vLLM loader (every loaded tensor equal to the "
+            "checkpoint's), the vLLM CPU engine (the original pair's greedy tokens and drafts) and vLLM's layers "
+            "built as every rank of a tensor-parallel size. `gemma4-convert compat` lists every row.\n\n"
+            + "\n".join(table) + ("\n\nOther consumers: " + "; ".join(consumers) + "." if consumers else ""))
+
+
+def _count_cell(rows: list) -> str:
+    """"6/6", or "**2/6** (kv_sharing)": the failing stage, never the exception's text."""
+    if not rows:
+        return "-"
+    failing = [r for r in rows if r.verdict != PASS]
+    text = f"{len(rows) - len(failing)}/{len(rows)}"
+    if not failing:
+        return text
+    stage = failing[0].detail.split(":", 1)[0].strip()
+    return f"**{text}**" + (f" ({stage})" if stage and len(stage) <= 40 else "")
 
 
 def _consumer_lines(variant: str) -> list[str]:
-    """Table lines of the other consumers the ledger proved this layout with (docs/COMPATIBILITY.md): loading it,
-    then running it with the assistant drafting (`draft` rows)."""
+    """One phrase per other consumer the ledger proved this layout with: loading it, then drafting with it."""
     ledger = load_ledger()
-    lines = [f"| consumer | - ({c['consumer']} {c['version']}) | {', '.join(c['transformers'])} | 1 | "
-             f"{c[variant]['passed']}/{c[variant]['rows']} "
-             f"synthetic cases{' (' + c['notes'][0] + ')' if c['notes'] else ''} | {c['measured']} |"
-             for c in consumer_table(ledger) if c.get(variant, {}).get("rows")]
-    drafted = [r for r in ledger if r.check == CHECK_DRAFT and r.variant == variant]
+    phrases = [f"{c['consumer']} {c['version']} loads it ({c[variant]['passed']}/{c[variant]['rows']})"
+               for c in consumer_table(ledger) if c.get(variant, {}).get("rows")]
+    drafted = [r for r in ledger if r.check == CHECK_DRAFT and r.variant == variant and r.verdict != NOT_RUN]
     for consumer, version in sorted({(r.consumer, r.consumer_version) for r in drafted}):
         mine = [r for r in drafted if (r.consumer, r.consumer_version) == (consumer, version)]
-        lines.append(f"| {CHECK_DRAFT} | - ({consumer} {version}) | {', '.join(sorted({r.transformers for r in mine}))} "
-                     f"| 1 | {sum(r.verdict == PASS for r in mine)}/{len(mine)} synthetic cases | "
-                     f"{max(r.measured for r in mine)} |")
-    return lines
+        phrases.append(f"{consumer} {version} drafts with it ({sum(r.verdict == PASS for r in mine)}/{len(mine)})")
+    return phrases
 
 
 def _kv_text(manifest: Mapping[str, Any], role: str, layout: Layout | None) -> str:
@@ -233,8 +285,12 @@ def _engine_section(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _verification_section(verification: Mapping[str, Any] | None) -> str:
+def _verification_section(verification: Mapping[str, Any] | None, *, pending: bool = False) -> str:
     """verification.json as written by `gemma4-convert verify`: `factor` is the allowed multiple of the noise floor."""
+    if verification is None and pending:
+        return ("## Verification\n\nNot yet verified: `gemma4-convert verify --target T --assistant A --converted "
+                "DST` checks every tensor and the numerics against the source, and `gemma4-convert upload DST "
+                "OWNER/NAME` puts its figures here (and the repo ids above).")
     if verification is None:
         return ("## Verification\n\n**Not verified**: uploaded with `--no-verify`; run `gemma4-convert verify` on "
                 "a download before trusting it.")

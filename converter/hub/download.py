@@ -119,7 +119,7 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
     """
     ref = parse_repo_ref(text)
     if ref is None:
-        return LocalSource(path=Path(text).expanduser())
+        return LocalSource(path=Path(text).expanduser().resolve())  # child processes run elsewhere (read/sequential)
     from huggingface_hub import constants
 
     api = api if api is not None else make_api()

@@ -10,20 +10,19 @@ import os
 import re
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from .. import __version__
 from ..errors import InputError, UsageError, VerificationFailed
 from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role
-from ..read.checkpoint import MANIFEST_NAME, VERIFICATION_NAME, read_json
+from ..read.checkpoint import CARD_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, VERIFICATION_NAME, read_json
+from .download import ASSISTANT_SUFFIX
 from .errors import hub_errors, transfer_errors
 from .provenance import infer_base_model, public_manifest, scrub_paths
 
-CARD_NAME = "README.md"
 ENGINE_REPORT_NAME = "serve_check.json"  # `make serve-check REPORT=DST/serve_check.json`: quoted on both cards
-SOURCE_CARD_NAME = "README.source.md"  # the source's own README.md travels under this name beside our card
 
 
 @dataclass(frozen=True)
@@ -104,6 +103,7 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
     """
     from huggingface_hub import constants
     dirs = checkpoint_dirs(request.dst)
+    request = _pair_repos(request, dirs)
     unknown = sorted(set(request.repos) - set(dirs))
     if unknown or set(dirs) - set(request.repos):
         raise UsageError(_repo_usage(request, dirs))
@@ -116,7 +116,7 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
     items, unknown, bases = [], [], {}
     for role, directory in dirs.items():
         manifest = manifests[role]
-        from .card import render_card  # yaml and the layouts: only an upload needs them
+        from .card import render_card  # yaml and the layouts: only writing a card needs them
 
         base = infer_base_model(manifest, override=_base_override(request, role, str(manifest.get("role"))))
         bases[str(manifest.get("role"))] = base
@@ -126,11 +126,12 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
         public = public_manifest(manifest, base=base, private=private)
         verification = _read_verification(request, directory)
         public_verification = scrub_paths(verification, private) if verification is not None else None
+        source_card = _source_card(directory)
         card = render_card(manifest=public, verification=public_verification, repo_id=request.repos[role],
                            target_repo=serve_repos.get(ROLE_TARGET), assistant_repo=serve_repos.get(ROLE_ASSISTANT),
                            base_model=base.repo_id if base else None,
-                           source_front_matter=_front_matter(directory / CARD_NAME),
-                           source_card=(directory / CARD_NAME).is_file(),
+                           source_front_matter=_front_matter(source_card) if source_card else None,
+                           source_card=source_card is not None,
                            engine_report=scrub_paths(engine_report, private) if engine_report else None)
         rewritten = {MANIFEST_NAME: public}
         if (directory / VERIFICATION_NAME).is_file():
@@ -141,6 +142,15 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
     warnings = () if Role.SINGLE in dirs else tuple(filter(None, [mismatched_bases(
         *(b.repo_id if b else None for b in (bases.get(ROLE_TARGET), bases.get(ROLE_ASSISTANT))))]))
     return UploadPlan(request=request, items=tuple(items), unknown_base=tuple(unknown), warnings=warnings)
+
+
+def _pair_repos(request: UploadRequest, dirs: Mapping[Role, Path]) -> UploadRequest:
+    """DST REPO_ID for a pair: the target to REPO_ID, the assistant to REPO_ID-assistant (the name convert looks a
+    Hub target's assistant up by); --target-repo / --assistant-repo name others."""
+    if set(request.repos) != {Role.SINGLE} or Role.SINGLE in dirs or set(dirs) != {Role.TARGET, Role.ASSISTANT}:
+        return request
+    repo_id = request.repos[Role.SINGLE]
+    return replace(request, repos={Role.TARGET: repo_id, Role.ASSISTANT: repo_id + ASSISTANT_SUFFIX})
 
 
 def _base_override(request: UploadRequest, where: str, kind: str) -> str | None:
@@ -226,21 +236,27 @@ def _read_verification(request: UploadRequest, directory: Path) -> dict[str, Any
     return verification
 
 
-def _front_matter(readme: Path) -> dict[str, Any] | None:
-    """The YAML front matter of the source's README.md (license, language...), if it has one."""
-    import yaml  # a huggingface_hub dependency
+def _source_card(directory: Path) -> Path | None:
+    """The source's own card in an output: README.source.md (convert writes this tool's card as README.md); an
+    output of an earlier version holds the source's card as README.md itself."""
+    for name in (SOURCE_CARD_NAME, CARD_NAME):
+        if (directory / name).is_file():
+            return directory / name if name == SOURCE_CARD_NAME or not _is_our_card(directory / name) else None
+    return None
 
-    if not readme.is_file():
-        return None
-    text = readme.read_text(encoding="utf-8", errors="replace")
-    match = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, flags=re.S)
-    if match is None:
-        return None
-    try:
-        data = yaml.safe_load(match.group(1))
-    except yaml.YAMLError:
-        return None
-    return data if isinstance(data, dict) else None
+
+def _is_our_card(path: Path) -> bool:
+    from .card import front_matter_of
+
+    return "gemma4-convert" in ((front_matter_of(path.read_text(encoding="utf-8", errors="replace")) or {})
+                                .get("tags") or [])
+
+
+def _front_matter(readme: Path) -> dict[str, Any] | None:
+    """The YAML front matter of the source's card (license, language...), if it has one."""
+    from .card import front_matter_of
+
+    return front_matter_of(readme.read_text(encoding="utf-8", errors="replace"))
 
 
 def _upload_files(directory: Path, card: str, rewritten: Mapping[str, Any]) -> tuple[UploadFile, ...]:
@@ -249,6 +265,8 @@ def _upload_files(directory: Path, card: str, rewritten: Mapping[str, Any]) -> t
     for path in sorted(directory.iterdir()):
         if not path.is_file() or path.name.startswith("."):
             continue
+        if path.name == CARD_NAME and (directory / SOURCE_CARD_NAME).is_file():
+            continue  # convert's card: the one rendered above replaces it
         name = SOURCE_CARD_NAME if path.name == CARD_NAME else path.name
         if path.name in rewritten:
             content = (json.dumps(rewritten[path.name], indent=2) + "\n").encode("utf-8")

@@ -19,6 +19,8 @@ VERIFICATION_NAME = "verification.json"
 NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"  # Model Optimizer's quantization description (copied as is)
 NOT_COPIED_NAMES = {"config.json", INDEX_NAME, MANIFEST_NAME, VERIFICATION_NAME}
+CARD_NAME = "README.md"  # an output's README.md is this tool's card (hub/card.py), never the source's
+SOURCE_CARD_NAME = "README.source.md"  # the source's own README.md travels under this name beside the card
 
 
 @dataclass(frozen=True)

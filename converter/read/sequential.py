@@ -129,7 +129,9 @@ def _sha256_in_child(path: Path, stop: threading.Event) -> tuple[str, int]:
     (tqdm, copying into staging blocks, importing torch). Measured: the pair's five shards hashed in 2.6 s on two
     threads alone, in 197 s beside one thread counting in a loop (docs/BENCHMARKS.md)."""
     package_root = str(Path(__file__).resolve().parents[2])
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(HASH_CHILD_NICENESS)],
+    # the child runs in the package's directory (so it imports this converter), not the caller's: a relative path
+    # would name another file there
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path.absolute()), str(HASH_CHILD_NICENESS)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=package_root)
     while True:
         try:

@@ -15,7 +15,8 @@ MADE_WRITTEN = "written"  # conversion.json `output.made` of a file this tool ge
 def manifest_document(plan: CheckpointPlan, source: Checkpoint, *, source_hashes: Mapping[str, str | None],
                       output_hashes: Mapping[str, str | None], made: Mapping[str, str], link: str, paired: bool,
                       warnings: tuple[str, ...], origin: Mapping[str, str] | None = None,
-                      hashed: bool = True, tp: int | None = None) -> dict[str, Any]:
+                      hashed: bool = True, tp: int | None = None,
+                      serving: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """conversion.json: enough to audit, verify and cite the conversion (origin: the Hub repo id and commit).
 
     `output.made` says how each file came to be: "written" (generated), "copy", "reflink", "hardlink" or "symlink"
@@ -32,6 +33,7 @@ def manifest_document(plan: CheckpointPlan, source: Checkpoint, *, source_hashes
         "model_type": source.spec.model_type,
         "converted_with_pair": paired,
         "tensor_parallel_size": tp,
+        "serving": dict(serving) if serving else None,  # the environment the layout was chosen for, if one was
         "warnings": list(warnings),
         "source": {"path": str(source.path.resolve()), **dict(origin or {}), "dialect": source.spec.dialect,
                    "config": dict(source.config), "files": dict(source_hashes)},

@@ -29,7 +29,12 @@ def make_directory(path: Path) -> None:
 
 def write_json(path: Path, document: Any) -> str:
     """Writes pretty JSON (fsynced); returns its sha256."""
-    raw = (json.dumps(document, indent=2) + "\n").encode("utf-8")
+    return write_text(path, json.dumps(document, indent=2) + "\n")
+
+
+def write_text(path: Path, text: str) -> str:
+    """Writes UTF-8 text (fsynced); returns its sha256."""
+    raw = text.encode("utf-8")
     with output_errors(path):
         write_bytes_durably(path, raw)
     return hashlib.sha256(raw).hexdigest()
