@@ -315,6 +315,7 @@ class PreparedConversion:
     paired_assistant: tuple[str, str] | None  # (assistant repo, target repo): the Hub assistant paired automatically
     notes: tuple[str, ...]  # without --serving: what the user may not need (a source serving as it is, ...)
     source_serve_line: str | None = None  # plan None: the `vllm serve` line for the sources themselves
+    sources: tuple[LocalSource, ...] = ()  # as resolved (a Hub source read from the cache alone says so)
 
 
 def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[PreparedConversion], None] = lambda p: None,
@@ -343,7 +344,8 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
     decision = _decision(opened, job)
     if _serves_as_it_is(decision, job):
         return PreparedConversion(job=job, plan=None, decision=decision, paired_assistant=paired, notes=(),
-                                  source_serve_line=_source_serve_line(sources, opened)), None
+                                  source_serve_line=_source_serve_line(sources, opened),
+                                  sources=tuple(sources.values())), None
     request = ConvertRequest(
         out=job.out, layout=job.layout or (decision.writes if decision else default_layout().name),
         layout_options=job.layout_options, force=job.force, max_shard_bytes=job.max_shard_bytes, link=job.link,
@@ -354,7 +356,8 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
     notes = () if job.serving is not None else tuple(serving_notes(
         [(str(i.source.path), shape_of(i.source.spec, fused=has_fused_qkv(i.source))) for i in plan.items],
         plan.request.layout))
-    prepared = PreparedConversion(job=job, plan=plan, decision=decision, paired_assistant=paired, notes=notes)
+    prepared = PreparedConversion(job=job, plan=plan, decision=decision, paired_assistant=paired, notes=notes,
+                                  sources=tuple(sources.values()))
     on_prepared(prepared)
     if job.dry_run:
         return prepared, None

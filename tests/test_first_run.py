@@ -175,3 +175,45 @@ def test_without_a_vllm_beside_the_tool_the_default_stands(synthetic_cache, tmp_
     assert result.code == 0 and "chosen: --layout per-layer: the default" in result.out
     assert "found beside the tool" not in result.out
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+@pytest.fixture
+def silent_hub():
+    """An HF_ENDPOINT that accepts connections and never answers: a network that is there and does not work."""
+    import socket
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)  # the kernel completes the handshakes; nobody reads or writes
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+def test_a_cached_hub_pair_converts_in_seconds_when_the_hub_does_not_answer(synthetic_cache, tmp_path, silent_hub):
+    """HF_HUB_OFFLINE unset and the Hub unreachable: one short probe, then the cache alone (before: every call
+    waited out its own timeouts and retries, ~48 s and ten `Retrying in Ns` lines), and one note naming the setting."""
+    import time
+
+    from _hub_cache import cache_repo
+
+    pair = synthetic_cache("31b")
+    cache = tmp_path / "hf" / "hub"
+    sha_target, sha_assistant = "1" * 40, "2" * 40
+    cache_repo(cache, "acme/gemma-4-tiny", sha_target, pair / "target")
+    cache_repo(cache, "acme/gemma-4-tiny-assistant", sha_assistant, pair / "assistant")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(cache), HF_ENDPOINT=silent_hub,
+               HF_HUB_DISABLE_PROGRESS_BARS="1")
+    started = time.monotonic()
+    done = run_console_script(["convert", "--target", "acme/gemma-4-tiny", "--assistant", "acme/gemma-4-tiny-assistant",
+                               "--out", str(tmp_path / "out"), "--layout", "per-layer"],
+                              env=env, timeout=300)
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("HF_HUB_OFFLINE=1 skips this probe") == 1, done.stderr
+    assert "Retrying" not in done.stderr
+    manifest = json.loads((tmp_path / "out" / "target" / "conversion.json").read_text())
+    assert manifest["source"]["revision"] == sha_target
+    assert took < 30, f"{took:.1f} s: the probe's timeout did not stop the retries"

@@ -12,7 +12,7 @@ from ..advice.serving import ServingEnv, parse_serving, read_serving_env, servin
 from ..cost import KvCost, human_bytes
 from ..errors import UsageError
 from ..layouts import layout_names
-from ..hub.download import LocalSource, Purpose, make_api, parse_repo_ref, resolve_source
+from ..hub.download import OFFLINE_NOTE, LocalSource, Purpose, make_api, parse_repo_ref, resolve_source
 
 PATH = click.Path(path_type=Path, file_okay=True, dir_okay=True)
 
@@ -47,8 +47,21 @@ def hub_api_for(ctx: click.Context | None, texts: Any) -> Any:
 
 
 def resolve_cli_source(text: str, *, purpose: Purpose, ctx: click.Context | None) -> LocalSource:
-    """resolve_source with this invocation's HfApi; a local path needs none (and never imports huggingface_hub)."""
-    return resolve_source(text, purpose=purpose, api=hub_api_for(ctx, [text]))
+    """resolve_source with this invocation's HfApi; a local path needs none (and never imports huggingface_hub).
+    A source read from the cache alone because the Hub did not answer says so once."""
+    source = resolve_source(text, purpose=purpose, api=hub_api_for(ctx, [text]))
+    if source.hub_unreachable:
+        say_offline_once()
+    return source
+
+
+_said: set[str] = set()
+
+
+def say_offline_once() -> None:
+    if OFFLINE_NOTE not in _said:
+        _said.add(OFFLINE_NOTE)
+        click.echo(OFFLINE_NOTE, err=True)
 
 
 class SourceType(click.ParamType):

@@ -17,7 +17,7 @@ from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertJob, ConvertResult,
                         serve_command)
 from ..plan import parse_size
 from ..write.placement import LINK_MEANING, LINK_MODES
-from ._common import PATH, LayoutChoice, hub_api_for, kv_cost_lines, serving_env, serving_options
+from ._common import PATH, LayoutChoice, hub_api_for, kv_cost_lines, say_offline_once, serving_env, serving_options
 
 
 FLAT_KEYS_ONLY = ("keys", "flat")  # the layout option --flat-keys-only sets
@@ -102,6 +102,8 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
 
         ready, result = convert(job, api=hub_api_for(ctx, sources.values()), on_prepared=prepared,
                                 on_bytes=lambda n: progress[0].update(n))
+    if any(source.hub_unreachable for source in ready.sources):
+        say_offline_once()
     if ready.plan is None:
         _print_serves_as_it_is(ready)
         return

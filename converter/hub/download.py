@@ -24,7 +24,7 @@ from ..gemma4 import ROLE_ASSISTANT, read_spec
 from ..read.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
                                VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
 from ..read.safetensors_header import ShardHeader, read_header, shard_from_entries
-from .errors import hub_errors, transfer_errors
+from .errors import hub_errors, hub_http_client, transfer_errors
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -46,6 +46,44 @@ IGNORE_PATTERNS = ("*/*",)  # fnmatch's `*` crosses `/`: keep sub-folders (other
 
 # owner/name[@revision]; the Hub's own validation (HFValidationError) has the last word on the exact rules
 _REPO_REF = re.compile(r"(?P<repo_id>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[^\s@]+))?")
+
+
+HUB_PROBE_TIMEOUT_S = 3.0  # one request: without it every call retries its own 10 s timeouts (~48 s measured)
+OFFLINE_NOTE = ("note: the Hub cannot be reached; using the Hugging Face cache alone (HF_HUB_OFFLINE=1 skips this "
+                "probe)")
+_probe: dict[str, str | None] = {}  # endpoint -> why it did not answer (None: it answered)
+
+
+def hub_unreachable(api: Any) -> str | None:
+    """Why the Hub did not answer one short request, or None when it did (or HF_HUB_OFFLINE=1, or `api` is not
+    huggingface_hub's client: a client tests inject is its own network). Asked once per process.
+
+    Any HTTP answer, an error status included, means the Hub is there; only a connection that fails or times out
+    sends every later call to the cache alone (as HF_HUB_OFFLINE=1 does, without its setting).
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.utils import get_session
+
+    if api is None:  # the reason already found, for a message
+        return next((why for why in _probe.values() if why), None)
+    if constants.is_offline_mode() or not isinstance(api, HfApi):
+        return None
+    endpoint = api.endpoint or constants.ENDPOINT
+    if endpoint not in _probe:
+        httpx = hub_http_client()
+        try:
+            get_session().head(endpoint, timeout=HUB_PROBE_TIMEOUT_S)
+            _probe[endpoint] = None
+        except (httpx.TransportError, OSError) as exc:  # connect, DNS, timeout, proxy: the network's failures
+            _probe[endpoint] = type(exc).__name__
+    return _probe[endpoint]
+
+
+def offline(api: Any) -> bool:
+    """Whether huggingface_hub must answer from its cache alone: HF_HUB_OFFLINE=1, or the Hub did not answer."""
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode() or hub_unreachable(api) is not None
 
 
 def make_api() -> HfApi:
@@ -76,6 +114,7 @@ class LocalSource:
     revision_sha: str | None = None  # the one commit every file was fetched at
     remote_shards: tuple[ShardHeader, ...] | None = None  # headers read over HTTP (weights not on this machine)
     remote_indexed: bool = False
+    hub_unreachable: bool = False  # read from the cache alone: the Hub did not answer the probe (hub_unreachable)
 
     @property
     def label(self) -> str:
@@ -126,16 +165,15 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
     with hub_errors(ref.text):
         sha = _resolve_sha(api, ref)
         folder = Path(api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(SMALL_FILE_PATTERNS),
-                                            ignore_patterns=list(IGNORE_PATTERNS),
-                                            local_files_only=constants.is_offline_mode()))
+                                            ignore_patterns=list(IGNORE_PATTERNS), local_files_only=offline(api)))
     if purpose == "full":
         _download_weights(api, ref, sha, folder)
     source = LocalSource(path=folder, repo_id=ref.repo_id, revision=ref.revision or constants.DEFAULT_REVISION,
-                         revision_sha=sha)
+                         revision_sha=sha, hub_unreachable=hub_unreachable(api) is not None)
     missing = _missing_files(folder)
     if not missing:
         return source
-    if purpose == "full" or constants.is_offline_mode():
+    if purpose == "full" or offline(api):
         _raise_incomplete(source, missing, weights=purpose == "full")
     with hub_errors(ref.text):
         shards, indexed = _remote_shards(api, ref.repo_id, sha, folder)
@@ -149,10 +187,10 @@ def _download_weights(api: Any, ref: RepoRef, sha: str, folder: Path) -> None:
     from huggingface_hub import constants
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
-    offline = constants.is_offline_mode()
+    cached_only = offline(api)
     cache = Path(constants.HF_HUB_CACHE)
     for name in _indexed_shards(folder):
-        if (folder / name).is_file() or offline:
+        if (folder / name).is_file() or cached_only:
             continue  # cached; or offline, where resolve_source names the first missing file and why
         try:
             with transfer_errors(ref.text, name, cache=cache):
@@ -162,7 +200,7 @@ def _download_weights(api: Any, ref: RepoRef, sha: str, folder: Path) -> None:
                 raise
             with transfer_errors(ref.text, "*.safetensors", cache=cache):  # unindexed, not model.safetensors
                 api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(WEIGHT_PATTERNS),
-                                      ignore_patterns=list(IGNORE_PATTERNS), local_files_only=offline)
+                                      ignore_patterns=list(IGNORE_PATTERNS), local_files_only=cached_only)
 
 
 def fetch_weights(source: LocalSource, *, api: Any = None) -> None:
@@ -210,7 +248,7 @@ def _indexed_shards(folder: Path) -> list[str]:
 def _resolve_sha(api: Any, ref: RepoRef) -> str:
     from huggingface_hub import constants
     # local_files_only when offline: the same cache lookup without a "could not reach the Hub" warning per source
-    resolved = api.resolve_revision(ref.repo_id, revision=ref.revision, local_files_only=constants.is_offline_mode())
+    resolved = api.resolve_revision(ref.repo_id, revision=ref.revision, local_files_only=offline(api))
     return str(resolved.resolved)  # str(ResolvedRevision) is the name asked for, not the sha
 
 
@@ -236,6 +274,9 @@ def _raise_incomplete(source: LocalSource, missing: list[str], *, weights: bool)
     if constants.is_offline_mode():
         raise HubError(f"{where}; HF_HUB_OFFLINE=1 allows only cached files: "
                        f"rerun without HF_HUB_OFFLINE to {'download' if weights else 'read'} it")
+    if source.hub_unreachable:
+        raise HubError(f"{where}, and the Hub cannot be reached ({hub_unreachable(None)}): rerun with network "
+                       "access to download it")
     if missing == ["config.json"] or missing == [SINGLE_NAME]:
         return  # online and the repo itself lacks it: read_checkpoint reports a bad input checkpoint (exit 3)
     raise HubError(f"{where}: the download did not complete (network down?); rerun to resume")
