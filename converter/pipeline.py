@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import shlex
 import shutil
 import threading
 from concurrent.futures import Future
@@ -121,6 +122,19 @@ class ConvertResult:
     made: dict[str, str] = field(default_factory=dict)  # "subdir/name" -> how (conversion.json `output.made`)
 
 
+def check_roles(checkpoints: Mapping[Role, Checkpoint], names: Mapping[Role, str]) -> None:
+    """Each --target is a target and each --assistant an assistant; `names` as the user gave them (a Hub id, not
+    its snapshot path), so the fix can be typed back."""
+    wrong = {role: c for role, c in checkpoints.items() if role is not Role.SINGLE and c.spec.role != role}
+    if not wrong:
+        return
+    said = "; ".join(f"--{role} {shlex.quote(names[role])} is a {c.spec.kind}" for role, c in wrong.items())
+    if len(wrong) == 2:
+        raise UsageError(f"{said}: swap --target and --assistant")
+    role, checkpoint = next(iter(wrong.items()))
+    raise UsageError(f"{said}: give it as --{checkpoint.spec.role}")
+
+
 def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     """Reads headers, checks inputs and output, plans every tensor; writes nothing.
 
@@ -134,10 +148,9 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     checkpoints = {role: request.opened.get(path) or read_checkpoint(path) for role, path in sources.items()}
     _check_output(request, list(sources.values()))
     warnings: list[str] = []
-    for role, checkpoint in checkpoints.items():
+    for checkpoint in checkpoints.values():
         _refuse_reconversion(checkpoint)
-        if role is not Role.SINGLE and checkpoint.spec.role != role:
-            raise UsageError(f"--{role} {checkpoint.path} is a {checkpoint.spec.kind}")
+    check_roles(checkpoints, {role: str(c.path) for role, c in checkpoints.items()})
     for checkpoint in checkpoints.values():
         layout.admit(checkpoint)  # validate -> pair -> plan: inspect's first problem is convert's refusal
     pair = None
@@ -338,6 +351,7 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
     """
     sources = {role: resolve_source(text, purpose="headers", api=api) for role, text in job.sources.items()}
     opened = {role: open_checkpoint(source) for role, source in sources.items()}
+    check_roles(opened, job.sources)
     paired = None
     if not job.target_only:
         paired = _pair_published_assistant(job, sources, opened, api)

@@ -71,9 +71,12 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     """
     root = Path(path)
     if not root.is_dir():
-        raise InputError(f"{root}: not a directory")
+        raise InputError(_not_a_checkpoint_dir(root))
     config_path = root / "config.json"
     if not _present(config_path):
+        gguf = sorted(p.name for p in root.glob("*.gguf"))
+        if gguf:
+            raise InputError(f"{root}: holds {gguf[0]}, a GGUF file, and no config.json; {WHAT_THIS_TAKES}")
         raise InputError(f"{config_path}: not found (is {root} a Hugging Face checkpoint?)")
     config = read_json(config_path)
     if not isinstance(config, dict):
@@ -88,6 +91,22 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     manifest = read_json(manifest_path) if _present(manifest_path) else None
     return Checkpoint(path=root, config=config, spec=spec, shards=shards, indexed=indexed,
                       side_files=_side_files(root), manifest=manifest)
+
+
+WHAT_THIS_TAKES = ("gemma4-convert takes a Hugging Face safetensors checkpoint (a directory with config.json and "
+                   "*.safetensors, or a Hub id such as google/gemma-4-31B-it); a GGUF is made from one by llama.cpp's "
+                   "convert_hf_to_gguf.py")
+
+
+def _not_a_checkpoint_dir(root: Path) -> str:
+    """Why `root` cannot be read as a checkpoint directory, and what to give instead."""
+    if not _present(root):
+        return f"{root}: no such file or directory"
+    if root.suffix == ".gguf":
+        return f"{root}: a GGUF file; {WHAT_THIS_TAKES}"
+    if root.suffix == ".safetensors":
+        return f"{root}: a single shard; give the directory holding it and its config.json ({root.parent})"
+    return f"{root}: not a directory; {WHAT_THIS_TAKES}"
 
 
 def _present(path: Path) -> bool:
