@@ -164,6 +164,10 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
         other = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET
         warnings.append(f"{layout.name} converted only the {role}: its {other} MUST get the same {layout.name} "
                         f"conversion, or the pair computes garbage (gemma4-convert check-pair will flag it)")
+    elif next(iter(checkpoints.values())).spec.role == ROLE_ASSISTANT:
+        warnings.append(f"{layout.name} converted only the assistant: convert its target the same way "
+                        f"(--target T --layout {layout.name}); a vLLM that needs this assistant converted cannot load "
+                        f"the original target either")
     if request.tp is not None:
         _refuse_tensor_parallel(checkpoints, request, layout)
     items = tuple(PlannedCheckpoint(source=c, plan=layout.plan(c, max_shard_bytes=request.max_shard_bytes),

@@ -134,6 +134,12 @@ class RemoteRepo:
         return SafetensorsRepoMetadata(metadata=None, sharded=index.exists(), weight_map=weight_map,
                                        files_metadata=files)
 
+    def list_models(self, *, author: str, search: str, limit: int) -> list[SimpleNamespace]:
+        """The Hub's search: repos of `author` whose name contains `search`, case-insensitively."""
+        self.calls.append(("list_models", author, search))
+        return [SimpleNamespace(id=r) for r in self.repos
+                if r.split("/")[0] == author and search.lower() in r.lower()][:limit]
+
     def get_paths_info(self, repo_id: str, paths: list[str], *, revision: str) -> list[SimpleNamespace]:
         self.calls.append(("get_paths_info", repo_id, revision, tuple(paths)))
         return [SimpleNamespace(path=p, size=(self.repos[repo_id] / p).stat().st_size) for p in paths]

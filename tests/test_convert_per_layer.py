@@ -170,8 +170,12 @@ def test_reconverting_an_output_is_detected(pair, tmp_path, run_cli):
 
 def test_single_source_converts_straight_into_out(pair, tmp_path, run_cli):
     out = tmp_path / "single"
-    assert run_cli("convert", pair / "assistant", "--out", out, "--layout", "per-layer").code == 0
+    result = run_cli("convert", pair / "assistant", "--out", out, "--layout", "per-layer")
+    assert result.code == 0
     assert (out / "model.safetensors").exists() and not (out / "assistant").exists()
+    assert "per-layer converted only the assistant: convert its target the same way" in result.err
+    target_only = run_cli("convert", "--target", pair / "target", "--out", tmp_path / "t", "--layout", "per-layer")
+    assert target_only.code == 0 and "converted only" not in target_only.err
 
 
 def test_role_mismatch_is_a_usage_error(pair, tmp_path, run_cli):

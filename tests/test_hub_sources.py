@@ -93,6 +93,27 @@ def test_offline_repo_not_cached_is_a_clear_hub_error():
         resolve_source("acme/nothing@v1", purpose="full")
 
 
+@pytest.mark.parametrize(("given", "meant"), [("acme/GEMMA-4-tiny", "acme/gemma-4-tiny (cached)"),
+                                             ("acme/gemma-4-tiny-asistant@v2", "acme/gemma-4-tiny-assistant@v2 (cached)"),
+                                             ("acme/nothing-like-it", None)])
+def test_a_near_miss_hub_id_names_the_cached_id_it_resembles(sources, offline_hub, tmp_path, run_cli, given, meant):
+    cache_repo(offline_hub, TARGET_REPO, SHA_MAIN, sources / "target")
+    cache_repo(offline_hub, ASSISTANT_REPO, SHA_V2, sources / "assistant", refs=("main", "v2"))
+    result = run_cli("convert", given, "--out", str(tmp_path / "out"), "--layout", "per-layer")
+    assert result.code == 5 and result.err.count("\n") == 1, result.err
+    assert "not in the Hub cache" in result.err
+    assert (f"did you mean {meant}?" in result.err) if meant else ("did you mean" not in result.err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_online_a_near_miss_hub_id_names_the_published_id(sources, tmp_path, monkeypatch, run_cli):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # "online": the fake never touches the network
+    use_api(monkeypatch, RemoteRepo({TARGET_REPO: sources / "target"}, tmp_path / "dl"))
+    result = run_cli("inspect", "acme/gemma-4-tinny")
+    assert result.code == 5 and result.err.count("\n") == 1, result.err
+    assert "no such Hub repo" in result.err and f"did you mean {TARGET_REPO} (on the Hub)?" in result.err
+
+
 def test_offline_inspect_uses_cached_weights(sources, offline_hub, run_cli):
     cache_repo(offline_hub, TARGET_REPO, SHA_MAIN, sources / "target")
     source = resolve_source(TARGET_REPO, purpose="headers")

@@ -162,10 +162,16 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
     from huggingface_hub import constants
 
     api = api if api is not None else make_api()
-    with hub_errors(ref.text):
-        sha = _resolve_sha(api, ref)
-        folder = Path(api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(SMALL_FILE_PATTERNS),
-                                            ignore_patterns=list(IGNORE_PATTERNS), local_files_only=offline(api)))
+    try:
+        with hub_errors(ref.text):
+            sha = _resolve_sha(api, ref)
+            folder = Path(api.snapshot_download(ref.repo_id, revision=sha, allow_patterns=list(SMALL_FILE_PATTERNS),
+                                                ignore_patterns=list(IGNORE_PATTERNS), local_files_only=offline(api)))
+    except HubError as error:
+        resembles = _near_miss(ref, api) if _not_found(error.__cause__) else None
+        if resembles is None:
+            raise
+        raise HubError(f"{error}; did you mean {resembles}?") from error.__cause__
     if purpose == "full":
         _download_weights(api, ref, sha, folder)
     source = LocalSource(path=folder, repo_id=ref.repo_id, revision=ref.revision or constants.DEFAULT_REVISION,
@@ -179,6 +185,52 @@ def resolve_source(text: str, *, purpose: Purpose, api: Any = None) -> LocalSour
         shards, indexed = _remote_shards(api, ref.repo_id, sha, folder)
     return LocalSource(path=folder, repo_id=ref.repo_id, revision=source.revision, revision_sha=sha,
                        remote_shards=shards, remote_indexed=indexed)
+
+
+def _not_found(exc: BaseException | None) -> bool:
+    """The repo id named nothing (no such repo, or none cached while offline): a typo is the likely cause."""
+    from huggingface_hub.errors import (GatedRepoError, IncompleteSnapshotError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionResolutionError)
+
+    if isinstance(exc, (GatedRepoError, IncompleteSnapshotError)):
+        return False
+    return isinstance(exc, (RepositoryNotFoundError, RevisionResolutionError, LocalEntryNotFoundError))
+
+
+NEAR_MISS_CUTOFF = 0.85  # difflib ratios of google/gemma-4-31B-it to: ...-31b-it 0.95, ...-26B-A4B-it 0.83, ...-it-assistant 0.81
+
+
+def _near_miss(ref: RepoRef, api: Any) -> str | None:
+    """The cached (or, online, published) repo id `ref` most resembles: the same id in other case first, then the
+    closest by difflib; None when nothing is close. Never raises: a failed search only loses the hint."""
+    import difflib
+
+    from huggingface_hub import constants
+
+    cached = {p.name.removeprefix("models--").replace("--", "/", 1): "cached"
+              for p in _listed(Path(constants.HF_HUB_CACHE)) if p.name.startswith("models--")}
+    published: dict[str, str] = {}
+    if not offline(api):
+        owner, _, name = ref.repo_id.partition("/")
+        try:
+            published = {m.id: "on the Hub" for m in api.list_models(author=owner, search=name[:8], limit=50)}
+        except Exception:  # noqa: BLE001 - a hint, not a requirement: the not-found error stands as it is
+            published = {}
+    known = {**published, **cached}
+    known.pop(ref.repo_id, None)
+    same = [repo for repo in known if repo.lower() == ref.repo_id.lower()]
+    close = same or difflib.get_close_matches(ref.repo_id, list(known), n=1, cutoff=NEAR_MISS_CUTOFF)
+    if not close:
+        return None
+    at = f"@{ref.revision}" if ref.revision else ""
+    return f"{close[0]}{at} ({known[close[0]]})"
+
+
+def _listed(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError:
+        return []
 
 
 def _download_weights(api: Any, ref: RepoRef, sha: str, folder: Path) -> None:
