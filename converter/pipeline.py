@@ -333,6 +333,7 @@ class PreparedConversion:
     notes: tuple[str, ...]  # without --serving: what the user may not need (a source serving as it is, ...)
     source_serve_line: str | None = None  # plan None: the `vllm serve` line for the sources themselves
     sources: tuple[LocalSource, ...] = ()  # as resolved (a Hub source read from the cache alone says so)
+    names: Mapping[Role, str] = field(default_factory=dict)  # each role's source as the user named it
 
 
 def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[PreparedConversion], None] = lambda p: None,
@@ -372,10 +373,10 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
         **{role.value: source.path for role, source in sources.items()})
     plan = plan_conversion(request)
     notes = () if job.serving is not None else tuple(serving_notes(
-        [(str(i.source.path), shape_of(i.source.spec, fused=has_fused_qkv(i.source))) for i in plan.items],
-        plan.request.layout))
+        [(f"the {'source' if i.role is Role.SINGLE else i.role}", shape_of(i.source.spec, fused=has_fused_qkv(i.source)))
+         for i in plan.items], plan.request.layout))
     prepared = PreparedConversion(job=job, plan=plan, decision=decision, paired_assistant=paired, notes=notes,
-                                  sources=tuple(sources.values()))
+                                  sources=tuple(sources.values()), names=_given_names(job, sources))
     on_prepared(prepared)
     if job.dry_run:
         return prepared, None
@@ -383,6 +384,14 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
         for source in sources.values():
             fetch_weights(source, api=api)
         return prepared, _write(plan, on_bytes)
+
+
+def _given_names(job: ConvertJob, sources: Mapping[Role, LocalSource]) -> dict[Role, str]:
+    """Each source as the user named it (a Hub id, not its snapshot folder), for the lines convert prints."""
+    given = dict(job.sources)
+    if Role.SINGLE in given and Role.SINGLE not in sources:  # a Hub target given as SRC, paired: now the target
+        given[Role.TARGET] = given.pop(Role.SINGLE)
+    return {role: given.get(role) or source.repo_id or str(source.path) for role, source in sources.items()}
 
 
 def _pair_published_assistant(job: ConvertJob, sources: dict[Role, LocalSource], opened: dict[Role, Checkpoint],

@@ -194,7 +194,7 @@ def test_convert_says_when_the_source_already_serves(forms, tmp_path, run_cli, f
     result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant",
                      "--out", tmp_path / "out", "--layout", layout, "--dry-run")
     assert result.code == 0, result.err
-    assert ("already serves as it is where vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
-            in result.out) == serves_where
+    assert ("the target and the assistant already serve as they are where vLLM runs with transformers<5.15, or "
+            "vLLM is 0.28 or newer" in result.out) == serves_where
     assert ("--layout per-layer serves at zero cost (same tensors, same KV cache) with vLLM " in result.out) \
         == zero_cost_note

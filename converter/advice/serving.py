@@ -442,22 +442,26 @@ def recommend(spec: ModelSpec, *, fused: bool, env: ServingEnv | None, recognize
 
 def serving_notes(sources: list[tuple[str, Shape]], written: str) -> list[str]:
     """What a user converting without --serving may not need (convert prints them as notes): a source that already
-    serves as it is, or a costlier layout written where the cheapest serves.
+    serves as it is, or a costlier layout written where the cheapest serves. One note for every source it applies
+    to (a pair is one line, not two alike).
 
     Args:
-        sources: (path, shape) of each checkpoint converted.
+        sources: (who, shape) of each checkpoint converted; who is how a note names it ("the target").
         written: the layout written.
     """
-    notes, cheapest = [], None
-    for path, shape in sources:
+    serving: dict[str, list[str]] = {}  # where they serve as they are -> who
+    cheapest = None
+    for who, shape in sources:
         decision = decide(shape, None)
         if decision.layout == NO_CONVERSION:
-            notes.append(f"{path} already serves as it is: {decision.why}")
+            serving.setdefault(f": {decision.why}", []).append(who)
             continue
         cheapest = cheapest or decision
         if decision.no_conversion_needed_when:
-            notes.append(f"{path} already serves as it is where {decision.no_conversion_needed_when} "
-                         "(`gemma4-convert inspect SRC --serving vllm==VERSION` tells for your release)")
+            serving.setdefault(f" where {decision.no_conversion_needed_when} (`gemma4-convert inspect SRC "
+                               "--serving vllm==VERSION` says for yours)", []).append(who)
+    notes = [f"{' and '.join(who)} already {'serves as it is' if len(who) == 1 else 'serve as they are'}{where}"
+             for where, who in serving.items()]
     alternative = cheapest.alternative if cheapest else None
     if alternative is not None and alternative.layout == written:
         notes.append(f"--layout {cheapest.layout} serves {get_layout(cheapest.layout).cost_note} with "

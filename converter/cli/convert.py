@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import click
 
@@ -161,7 +161,7 @@ def _print_prepared(ready: PreparedConversion) -> None:
             click.echo(f"note: for {job.serving.label()} the ledger chooses {decision.writes_why}")
         if decision.serves_as_is:
             click.echo(f"note: {decision.serves_as_is}; converting anyway")
-    _print_plan(ready.plan, dry_run=job.dry_run)
+    _print_plan(ready.plan, dry_run=job.dry_run, names=ready.names)
     for note in ready.notes:
         click.echo(f"note: {note}")
     if job.link in LINK_MEANING:
@@ -177,9 +177,9 @@ def _made_summary(result: ConvertResult) -> str:
     return ("; unchanged files: " + ", ".join(f"{n} {how}" for how, n in sorted(counts.items()))) if counts else ""
 
 
-def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
+def _print_plan(plan: ConversionPlan, *, dry_run: bool, names: Mapping[Role, str]) -> None:
     layout = plan.layout
-    click.echo(f"layout {layout.name}: {layout.description}")
+    click.echo(f"layout {layout.name}: {layout.summary}")
     for item in plan.items:
         destination = plan.output_dir(item)
         actions: dict[str, int] = {}
@@ -188,7 +188,7 @@ def _print_plan(plan: ConversionPlan, *, dry_run: bool) -> None:
         summary = ", ".join(f"{n} {a}" for a, n in sorted(actions.items()))
         growth = item.plan.total_size - item.plan.source_bytes
         params = item.parameters_added
-        click.echo(f"  {item.source.path} ({item.source.spec.kind}) -> {destination}")
+        click.echo(f"  {names.get(item.role, item.source.path)} ({item.source.spec.kind}) -> {destination}")
         click.echo(f"    {len(item.plan.shards)} shard(s); tensors: {summary}")
         click.echo(f"    weights {human_bytes(item.plan.source_bytes)} -> {human_bytes(item.plan.total_size)} "
                    f"({growth / max(item.plan.source_bytes, 1):+.1%}, {params / 1e6:+,.1f} M parameters)")

@@ -96,6 +96,11 @@ class Layout:
     serve_flags: ClassVar[str] = ""  # appended to `vllm serve`
     pair_must_match: ClassVar[bool] = False  # target and assistant must both carry it: one side alone is garbage
 
+    @property
+    def summary(self) -> str:
+        """The description's first clause: what convert's one line about the layout says (the rest is --help's)."""
+        return self.description.split(";")[0]
+
     def __init__(self, **options: Any) -> None:
         for key, value in options.items():
             if key not in self.option_choices:
