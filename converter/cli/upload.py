@@ -32,12 +32,14 @@ from ._common import PATH, hub_api
 def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str | None, assistant_repo: str | None,
             private: bool, revision: str | None, create_pr: bool, commit_message: str | None, dry_run: bool,
             no_verify: bool, base_model: str | None, assistant_base_model: str | None) -> None:
-    """Upload a converted checkpoint (DST REPO_ID) or pair (DST --target-repo T --assistant-repo A).
+    """Upload a converted checkpoint (DST REPO_ID) or pair (DST REPO_ID: the assistant to REPO_ID-assistant; or
+    DST --target-repo T --assistant-repo A).
 
     \b
     Refuses a DST without a passing verification.json (run `gemma4-convert verify` first) unless --no-verify.
     Token: HF_TOKEN or `hf auth login`. An interrupted upload resumes when rerun.
     Examples:
+      gemma4-convert upload DST me/gemma-4-31B-it-vllm
       gemma4-convert upload DST --target-repo me/gemma-4-31B-it-pad-global \\
           --assistant-repo me/gemma-4-31B-it-assistant-pad-global --dry-run
       gemma4-convert upload DST/target me/gemma-4-31B-it-per-layer --private
