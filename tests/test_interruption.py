@@ -73,7 +73,8 @@ else:
         if point == "before-rename" and staged:
             stop()
         original_replace(src, dst)
-        if (point == "mid-swap" and not staged) or (point == "after-swap" and staged):
+        retiring = str(dst).endswith(staging.RETIRED_SUFFIX)  # not a JSON file's temp renamed over its name
+        if (point == "mid-swap" and retiring) or (point == "after-swap" and staged):
             stop()
     os.replace = replace
 main(argv)

@@ -17,11 +17,22 @@ from pathlib import Path
 
 
 def write_bytes_durably(path: Path, data: bytes) -> None:
-    """Path.write_bytes followed by fsync."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    """Path.write_bytes followed by fsync, by a new file renamed over `path`: whatever sits at `path` (a symlink
+    planted in an existing output, where verify writes verification.json) is replaced, never written through."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        with open(fd, "wb", closefd=True) as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def fsync_directory(path: Path) -> None:

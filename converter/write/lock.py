@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -45,7 +46,12 @@ def _describe_holder(path: Path) -> str:
 def _open_locked(path: Path, destination: Path) -> int:
     """An fd of `path` holding an exclusive flock, retried when the holder unlinked the file meanwhile."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # O_NOFOLLOW: a symlink planted at this name would have us truncate the file it points to
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:  # a FIFO, device or hard link planted there
+            os.close(fd)
+            raise OSError(errno.EEXIST, "not a regular file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -57,7 +63,7 @@ def _open_locked(path: Path, destination: Path) -> int:
             raise
         # the holder we waited on may have unlinked the file before we locked it: then our inode is orphaned
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            same = os.fstat(fd).st_ino == os.lstat(path).st_ino
         except FileNotFoundError:
             same = False
         if same:
@@ -94,6 +100,9 @@ def output_lock(destination: Path) -> Iterator[Path]:
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise OutputError(f"{path}: no space left on device") from exc
+        if exc.errno in (errno.ELOOP, errno.EEXIST):
+            raise OutputError(f"{path}: is a symbolic link or not a regular file, where this tool keeps its lock; "
+                              "it writes nothing through it: remove it and rerun") from exc
         raise OutputError(f"{path}: cannot create the lock file ({exc.strerror or exc})") from exc
     try:
         _write_holder(fd)

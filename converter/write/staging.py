@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -55,6 +56,28 @@ def partial_dir(destination: Path) -> Path:
     return destination.parent / f".{destination.name}{PARTIAL_SUFFIX}"
 
 
+def retired_dir(destination: Path) -> Path:
+    return destination.parent / f".{destination.name}{RETIRED_SUFFIX}"
+
+
+def refuse_planted_links(*paths: Path) -> None:
+    """The names this tool removes and renames beside DST must be its own directories, not links: removing through
+    a link, or renaming onto one, would touch what lies outside DST. Checked under the output lock.
+
+    Raises:
+        OutputError: one of them is a symbolic link, or not a directory.
+    """
+    for path in paths:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(mode):
+            kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+            raise OutputError(f"{path}: is {kind}, where this tool keeps its own work beside the output; it touches "
+                              "nothing through it: remove it and rerun")
+
+
 @contextmanager
 def staged_directory(destination: Path, *, replace: bool) -> Iterator[Path]:
     """Yields an empty staging dir; on success it becomes `destination` in one rename, on failure it is removed.
@@ -64,6 +87,8 @@ def staged_directory(destination: Path, *, replace: bool) -> Iterator[Path]:
     the old one is renamed back.
     """
     staging = partial_dir(destination)
+    retired = retired_dir(destination)
+    refuse_planted_links(staging, retired)
     with output_errors(staging):
         if staging.exists():
             shutil.rmtree(staging)
@@ -73,7 +98,6 @@ def staged_directory(destination: Path, *, replace: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    retired = destination.parent / f".{destination.name}{RETIRED_SUFFIX}"
     moved_aside = False
     try:
         with output_errors(destination):
