@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import shlex
 import shutil
 import threading
@@ -27,7 +28,8 @@ from .pairing import PairReport, check_pair, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, ShardPlan, index_document
 from .quantization import weights_per_element
-from .read.checkpoint import CARD_NAME, INDEX_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, Checkpoint, read_checkpoint
+from .read.checkpoint import (CARD_NAME, INDEX_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, Checkpoint, carried_side_files,
+                              read_checkpoint, sub_directories)
 from .read.sequential import PendingSha256, hashing_ahead, known_sha256
 from .validate.attention import has_fused_qkv
 from .write.budget import budget
@@ -35,7 +37,7 @@ from .write.engine import Writers, place_whole, rewrite_shard
 from .write.lock import output_lock
 from .write.manifest import MADE_WRITTEN, manifest_document
 from .write.placement import LINK_MODES, place_file, reflink_possible
-from .write.staging import make_directory, staged_directory, write_json, write_text
+from .write.staging import make_directory, output_errors, staged_directory, write_json, write_text
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,9 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     warnings: list[str] = []
     for checkpoint in checkpoints.values():
         _refuse_reconversion(checkpoint)
+        if left := sub_directories(checkpoint.path):
+            warnings.append(f"{checkpoint.path}: {', '.join(f'{name}/' for name in left)} not carried into the output "
+                            "(an output carries the checkpoint's top-level files)")
     check_roles(checkpoints, {role: str(c.path) for role, c in checkpoints.items()})
     for checkpoint in checkpoints.values():
         layout.admit(checkpoint)  # validate -> pair -> plan: inspect's first problem is convert's refusal
@@ -514,10 +519,7 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
     if plan.indexed:
         files[INDEX_NAME], made[INDEX_NAME] = write_json(directory / INDEX_NAME, index_document(plan)), MADE_WRITTEN
     files["config.json"], made["config.json"] = write_json(directory / "config.json", plan.config), MADE_WRITTEN
-    for name in plan.side_files:
-        if name == CARD_NAME and SOURCE_CARD_NAME in plan.side_files:
-            continue  # a source written by this tool: its card is rendered anew, the original's card kept
-        placed = SOURCE_CARD_NAME if name == CARD_NAME else name  # README.md is this tool's card
+    for name, placed in carried_side_files(plan.side_files).items():
         made[placed], digest = place_file(source.path / name, directory / placed, link=link, hashed=hashed)
         source_hashes[name] = files[placed] = digest
 
@@ -530,17 +532,24 @@ def _write_checkpoint(item: PlannedCheckpoint, directory: Path, *, link: str, ha
         resolved = {name: _resolved(digest) for name, digest in files.items()}
         document = manifest_document(
             item.plan, item.source, source_hashes={name: _resolved(digest) for name, digest in source_hashes.items()},
-            output_hashes=resolved, made=made, link=link, hashed=hashed, paired=paired, warnings=warnings,
-            origin=origin, tp=tp, serving=serving)
+            output_hashes=resolved, output_sizes=_sizes(directory, resolved), made=made, link=link, hashed=hashed,
+            paired=paired, warnings=warnings, origin=origin, tp=tp, serving=serving)
         if card is not None:  # rendered from the manifest it then joins: the card never describes its own sha256
             resolved[CARD_NAME] = write_text(directory / CARD_NAME, card(document))
             made[CARD_NAME] = MADE_WRITTEN
             document["output"]["files"][CARD_NAME], document["output"]["made"][CARD_NAME] = resolved[CARD_NAME], \
                 MADE_WRITTEN
+            document["output"]["sizes"][CARD_NAME] = (directory / CARD_NAME).stat().st_size
         write_json(directory / MANIFEST_NAME, document)
         return resolved, made
 
     return write_manifest
+
+
+def _sizes(directory: Path, names: Mapping[str, Any]) -> dict[str, int]:
+    """The size of every file written into directory (a linked one: its source's), as conversion.json records it."""
+    with output_errors(directory):
+        return {name: os.stat(directory / name).st_size for name in names}
 
 
 def _serving_record(serving: ServingEnv | None) -> dict[str, Any] | None:

@@ -80,3 +80,100 @@ def test_verify_replaces_a_planted_verification_link_instead_of_writing_through_
     assert victim.read_bytes() == VICTIM_BYTES
     written = out / "target" / "verification.json"
     assert not written.is_symlink() and json.loads(written.read_text())["passed"] is True
+
+
+@pytest.fixture
+def verified(pair, tmp_path, run_cli) -> Path:
+    """A per-layer pair output that verify passed."""
+    out = tmp_path / "out"
+    assert convert(run_cli, pair, out).code == 0
+    assert verify(run_cli, pair, out).code == 0
+    return out
+
+
+def upload_dry_run(run_cli, out: Path, *extra: str):
+    return run_cli("upload", out, "me/gemma-4-31B-it-vllm", "--dry-run", *extra)
+
+
+def flip_a_tensor_byte(shard: Path) -> None:
+    """One byte of the last tensor's data changed in place: same size, other bytes."""
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_upload_refuses_a_tensor_byte_changed_after_verify(verified, run_cli):
+    shard = verified / "target" / "model-00002-of-00002.safetensors"
+    flip_a_tensor_byte(shard)
+    result = upload_dry_run(run_cli, verified)
+    assert result.code == EXIT_FAILED
+    assert "model-00002-of-00002.safetensors: sha256" in result.err and "changed since convert" in result.err
+    assert upload_dry_run(run_cli, verified, "--no-hash").code == 0  # sizes alone: what --no-hash gives up
+
+
+def test_upload_refuses_a_config_value_changed_after_verify(verified, run_cli):
+    config = verified / "assistant" / "config.json"
+    document = json.loads(config.read_text())
+    document["rms_norm_eps"] = 1e-5
+    config.write_text(json.dumps(document, indent=2) + "\n")
+    result = upload_dry_run(run_cli, verified, "--no-hash")
+    assert result.code == EXIT_FAILED and "assistant: config.json: " in result.err, result.err
+
+
+def test_upload_refuses_a_file_added_after_convert(verified, run_cli):
+    (verified / "target" / "model-00003-of-00002.safetensors").write_bytes(b"junk")
+    result = upload_dry_run(run_cli, verified, "--no-hash")
+    assert result.code == EXIT_FAILED
+    assert "model-00003-of-00002.safetensors: in the output but not in conversion.json" in result.err
+
+
+def test_upload_refuses_another_outputs_proof(verified, pair, tmp_path, run_cli):
+    other = tmp_path / "pad-global"
+    assert run_cli("convert", "--target", pair / "target", "--assistant", pair / "assistant", "--out", other,
+                   "--layout", "pad-global").code == 0
+    assert verify(run_cli, pair, other).code == 0
+    for directory in (verified, verified / "target", verified / "assistant"):
+        (directory / "verification.json").write_bytes((other / directory.relative_to(verified)
+                                                       / "verification.json").read_bytes())
+    result = upload_dry_run(run_cli, verified)
+    assert result.code == EXIT_FAILED
+    assert "verification.json: proves another conversion.json, not " in result.err
+    # unverified on request: and the stale proof stays home, off the card and out of the upload
+    unverified = upload_dry_run(run_cli, verified, "--no-verify")
+    assert unverified.code == 0, unverified.err
+    assert "verification.json" not in unverified.out
+
+
+def test_verify_fails_a_side_file_changed_after_convert(verified, pair, run_cli):
+    with open(verified / "target" / "tokenizer.json", "ab") as handle:
+        handle.write(b" ")
+    result = verify(run_cli, pair, verified)
+    assert result.code == EXIT_FAILED
+    assert "tokenizer.json: " in result.out and "changed since convert" in result.out
+    assert "tokenizer.json: not the source's tokenizer.json byte for byte" in result.out
+
+
+def test_a_side_file_that_is_a_device_is_refused_by_name(pair, tmp_path, run_cli):
+    tokenizer = pair / "target" / "tokenizer.json"
+    tokenizer.unlink()
+    tokenizer.symlink_to("/dev/zero")
+    result = convert(run_cli, pair, tmp_path / "out")
+    assert result.code == EXIT_INPUT
+    assert result.err.strip() == (f"error: {tokenizer}: a symbolic link to character device, not a file; a "
+                                  "checkpoint's files are regular files: replace it with the file it stands for, "
+                                  "or remove it")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fifo_among_side_files_is_refused_by_name(pair, tmp_path, run_cli):
+    os.mkfifo(pair / "assistant" / "vocab.txt")
+    result = convert(run_cli, pair, tmp_path / "out")
+    assert result.code == EXIT_INPUT and "vocab.txt: a FIFO, not a file" in result.err
+
+
+def test_a_subdirectory_is_named_as_left_behind(pair, tmp_path, run_cli):
+    (pair / "target" / "original").mkdir()
+    result = convert(run_cli, pair, tmp_path / "out")
+    assert result.code == 0, result.err
+    assert f"{pair / 'target'}: original/ not carried into the output" in result.err + result.out
+    assert "original" not in os.listdir(tmp_path / "out" / "target")

@@ -23,6 +23,8 @@ from ._common import PATH, hub_api
 @click.option("--commit-message", metavar="M", help="Commit title (default names the layout and tool version).")
 @click.option("--dry-run", is_flag=True, help="Print files, sizes and the model card; contact nothing.")
 @click.option("--no-verify", is_flag=True, help="Upload even without a passing verification.json.")
+@click.option("--no-hash", is_flag=True,
+              help="Check the files against conversion.json by size only, not by re-hashing every byte first.")
 @click.option("--base-model", metavar="OWNER/NAME",
               help="Source repo for the target's card base_model (a single DST: its card's), over what is inferred: "
                    "the Hub repo recorded in conversion.json, else a Hugging Face cache path or _name_or_path.")
@@ -31,12 +33,13 @@ from ._common import PATH, hub_api
 @click.pass_context
 def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str | None, assistant_repo: str | None,
             private: bool, revision: str | None, create_pr: bool, commit_message: str | None, dry_run: bool,
-            no_verify: bool, base_model: str | None, assistant_base_model: str | None) -> None:
+            no_verify: bool, no_hash: bool, base_model: str | None, assistant_base_model: str | None) -> None:
     """Upload a converted checkpoint (DST REPO_ID) or pair (DST REPO_ID: the assistant to REPO_ID-assistant; or
     DST --target-repo T --assistant-repo A).
 
     \b
-    Refuses a DST without a passing verification.json (run `gemma4-convert verify` first) unless --no-verify.
+    Refuses a DST without a passing verification.json of these very files (run `gemma4-convert verify` first) unless
+    --no-verify, and a file missing, added or changed since convert.
     Token: HF_TOKEN or `hf auth login`. An interrupted upload resumes when rerun.
     Examples:
       gemma4-convert upload DST me/gemma-4-31B-it-vllm
@@ -48,8 +51,11 @@ def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str
                                             (Role.ASSISTANT, assistant_repo)) if repo}
     request = UploadRequest(dst=dst, repos=repos, private=private, revision=revision, create_pr=create_pr,
                             commit_message=commit_message, verify_required=not no_verify, base_model=base_model,
-                            assistant_base_model=assistant_base_model)
-    plan = plan_upload(request)
+                            assistant_base_model=assistant_base_model, hashed=not no_hash)
+    from tqdm import tqdm  # ~0.1 s: imported by the runs that show progress, not by --help
+
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="re-hashing", disable=None, leave=False) as bar:
+        plan = plan_upload(request, on_bytes=bar.update)
     render_plan(plan, with_cards=dry_run)
     if plan.unknown_base:
         click.echo(f"note: base model unknown for {', '.join(str(d) for d in plan.unknown_base)} (a local source: "

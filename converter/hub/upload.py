@@ -12,12 +12,13 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .. import __version__
 from ..errors import InputError, UsageError, VerificationFailed
 from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role
 from ..read.checkpoint import CARD_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, VERIFICATION_NAME, read_json
+from ..proof.files import file_problems, manifest_sha256
 from .download import ASSISTANT_SUFFIX
 from .errors import hub_errors, transfer_errors
 from .provenance import infer_base_model, public_manifest, scrub_paths
@@ -38,6 +39,7 @@ class UploadRequest:
     verify_required: bool = True
     base_model: str | None = None  # the target's (or a single checkpoint's) base, over what conversion.json records
     assistant_base_model: str | None = None  # the assistant's base, over what its conversion.json records
+    hashed: bool = True  # re-hash every file against conversion.json before the first byte goes out (--no-hash: sizes)
 
 
 @dataclass(frozen=True)
@@ -93,13 +95,15 @@ def checkpoint_dirs(dst: Path) -> dict[Role, Path]:
     return found
 
 
-def plan_upload(request: UploadRequest) -> UploadPlan:
-    """Reads DST's conversion.json / verification.json, checks them, renders the cards; contacts nothing.
+def plan_upload(request: UploadRequest, *, on_bytes: Callable[[int], None] = lambda n: None) -> UploadPlan:
+    """Reads DST's conversion.json / verification.json, checks the files against them, renders the cards; contacts
+    nothing. `on_bytes` counts the bytes re-hashed.
 
     Raises:
         UsageError: a repo id missing for a checkpoint, or given for one that is not there; no verification.json.
-        VerificationFailed: verification.json says the output failed.
-        InputError: unreadable manifests, files the manifest lists that are missing.
+        VerificationFailed: verification.json says the output failed, or proves another conversion.json; a file is
+            missing, added, or changed since convert.
+        InputError: unreadable manifests.
     """
     from huggingface_hub import constants
     dirs = checkpoint_dirs(request.dst)
@@ -124,7 +128,8 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
             unknown.append(directory)
         private = _private_paths(request.dst, directory, manifest)
         public = public_manifest(manifest, base=base, private=private)
-        verification = _read_verification(request, directory)
+        _refuse_changed_files(directory, manifest, hashed=request.hashed, on_bytes=on_bytes)
+        verification = _read_verification(request, directory, manifest)
         public_verification = scrub_paths(verification, private) if verification is not None else None
         source_card = _source_card(directory)
         card = render_card(manifest=public, verification=public_verification, repo_id=request.repos[role],
@@ -134,8 +139,8 @@ def plan_upload(request: UploadRequest) -> UploadPlan:
                            source_card=source_card is not None,
                            engine_report=scrub_paths(engine_report, private) if engine_report else None)
         rewritten = {MANIFEST_NAME: public}
-        if (directory / VERIFICATION_NAME).is_file():
-            rewritten[VERIFICATION_NAME] = scrub_paths(read_json(directory / VERIFICATION_NAME), private)
+        if verification is not None:  # the proof of these bytes, wherever it was found, and no other
+            rewritten[VERIFICATION_NAME] = public_verification
         items.append(UploadItem(role=role, kind=str(manifest.get("role")), layout=str(manifest.get("layout")),
                                 directory=directory, repo_id=request.repos[role],
                                 files=_upload_files(directory, card, rewritten), card=card))
@@ -212,14 +217,22 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     manifest = read_json(directory / MANIFEST_NAME)
     if not isinstance(manifest, dict) or manifest.get("tool") != "gemma4-convert":
         raise InputError(f"{directory / MANIFEST_NAME}: not a gemma4-convert manifest")
-    for name in manifest.get("output", {}).get("files", {}):
-        if not (directory / name).is_file():
-            raise InputError(f"{directory}: {name} is listed in {MANIFEST_NAME} but missing")
     return manifest
 
 
-def _read_verification(request: UploadRequest, directory: Path) -> dict[str, Any] | None:
-    """verification.json beside the checkpoint, else at DST's top (a pair verified as a whole)."""
+def _refuse_changed_files(directory: Path, manifest: Mapping[str, Any], *, hashed: bool,
+                          on_bytes: Callable[[int], None]) -> None:
+    """What goes out must be what convert wrote and verify proved: every file as conversion.json records it."""
+    problems = file_problems(directory, manifest, hashed=hashed, on_bytes=on_bytes)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise VerificationFailed(f"{directory}: {problems[0]}{more}; refusing to upload what was not converted and "
+                                 "verified: convert and verify again")
+
+
+def _read_verification(request: UploadRequest, directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+    """verification.json beside the checkpoint, else at DST's top (a pair verified as a whole), when it proves this
+    checkpoint's conversion.json (its sha256 is recorded under the checkpoint's role)."""
     path = next((p for p in (directory / VERIFICATION_NAME, request.dst / VERIFICATION_NAME) if p.is_file()), None)
     if path is None:
         if request.verify_required:
@@ -229,6 +242,13 @@ def _read_verification(request: UploadRequest, directory: Path) -> dict[str, Any
     verification = read_json(path)
     if not isinstance(verification, dict) or not isinstance(verification.get("passed"), bool):
         raise InputError(f"{path}: expected a JSON object with a boolean `passed`")
+    proved = (verification.get("manifests") or {}).get(str(manifest.get("role")))
+    if proved != manifest_sha256(directory):
+        if request.verify_required:
+            raise VerificationFailed(f"{path}: proves {'another' if proved else 'an unnamed'} {MANIFEST_NAME}, not "
+                                     f"{directory / MANIFEST_NAME} (another output's proof, or one made before the "
+                                     "output changed); run `gemma4-convert verify` again")
+        return None  # --no-verify: uploaded unverified, and no proof of other bytes rides along
     if request.verify_required and not verification["passed"]:
         raise VerificationFailed(f"{path}: verification FAILED (first failure: "
                                  f"{verification.get('first_failure') or 'see the file'}); refusing to upload "
@@ -265,6 +285,8 @@ def _upload_files(directory: Path, card: str, rewritten: Mapping[str, Any]) -> t
     for path in sorted(directory.iterdir()):
         if not path.is_file() or path.name.startswith("."):
             continue
+        if path.name == VERIFICATION_NAME and VERIFICATION_NAME not in rewritten:
+            continue  # a proof of other bytes (uploaded --no-verify): not this output's
         if path.name == CARD_NAME and (directory / SOURCE_CARD_NAME).is_file():
             continue  # convert's card: the one rendered above replaces it
         name = SOURCE_CARD_NAME if path.name == CARD_NAME else path.name

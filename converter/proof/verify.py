@@ -23,9 +23,10 @@ from ..layouts.base import layout_from_manifest
 from ..pairing import check_pair
 from ..parallel import DEFAULT_TP_SIZES
 from ..plan import TensorPlan
-from ..read.checkpoint import Checkpoint, read_checkpoint
-from ..read.sequential import MappedFile
+from ..read.checkpoint import Checkpoint, carried_side_files, read_checkpoint
+from ..read.sequential import MappedFile, file_sha256
 from .checks import LayerCheck
+from .files import file_problems, manifest_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +71,7 @@ class VerifyReport:
     wall_seconds: float
     first_failure: str | None
     versions: dict[str, str | None] = field(default_factory=dict)
+    manifests: dict[str, str] = field(default_factory=dict)  # role -> sha256 of the conversion.json proved
 
     def to_json(self) -> dict[str, Any]:
         document = asdict(self)
@@ -220,7 +222,7 @@ def structural_report(pairs: dict[str, tuple[Checkpoint, Checkpoint]],
     copied = transformed = 0
     for role, (source, output) in pairs.items():
         found, c, t = check_structure(source, output, role=role, on_bytes=on_bytes)
-        problems += found
+        problems += found + _file_checks(source, output, role)
         copied, transformed = copied + c, transformed + t
     if ROLE_TARGET in pairs and ROLE_ASSISTANT in pairs:
         target, assistant = pairs[ROLE_TARGET][1], pairs[ROLE_ASSISTANT][1]
@@ -230,6 +232,24 @@ def structural_report(pairs: dict[str, tuple[Checkpoint, Checkpoint]],
         problems += [Problem("pair", p) for p in pair.problems]
     return StructuralReport(problems=tuple(problems), tensors_checked=copied + transformed, copied=copied,
                             transformed=transformed)
+
+
+def _file_checks(source: Checkpoint, output: Checkpoint, role: str) -> list[Problem]:
+    """The output's files as conversion.json records them (sizes; sha256 of all but the shards, whose tensors
+    check_structure compares byte for byte), and each side file the source's own bytes."""
+    if not output.manifest:
+        return []  # check_structure reported it
+    problems = [Problem(role, p) for p in file_problems(output.path, output.manifest, hashed=True,
+                                                        hash_if=lambda name: not name.endswith(".safetensors"))]
+    recorded = (output.manifest.get("output") or {}).get("files") or {}
+    for name, placed in carried_side_files(source.side_files).items():
+        path = output.path / placed
+        if not path.is_file():
+            if placed not in recorded:  # else file_problems named it
+                problems.append(Problem(role, f"{placed}: the source's {name} is missing from the output"))
+        elif file_sha256(path) != file_sha256(source.path / name):
+            problems.append(Problem(role, f"{placed}: not the source's {name} byte for byte"))
+    return problems
 
 
 @dataclass(frozen=True)
@@ -307,4 +327,6 @@ def verify(request: VerifyRequest, *, on_bytes: Callable[[int], None] = lambda n
                         dtype=request.dtype, seed=request.seed, seq_len=request.seq_len,
                         tolerance_factor=request.tolerance_factor,
                         wall_seconds=round(time.perf_counter() - started, 3), first_failure=first,
-                        versions=versions(device))
+                        versions=versions(device),
+                        manifests={role: manifest_sha256(output.path) for role, (_, output) in pairs.items()
+                                   if output.manifest})

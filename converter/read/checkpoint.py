@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -166,16 +167,50 @@ def check_weight_map(root: Path, shards: tuple[ShardHeader, ...], weight_map: di
         raise InputError(f"{root / INDEX_NAME}: tensor {extra[0]!r} in {seen[extra[0]].name} is missing from the index")
 
 
+def carried_side_files(side_files: tuple[str, ...]) -> dict[str, str]:
+    """Source name -> output name of each side file an output carries: the source's README.md travels as
+    README.source.md (an output's README.md is this tool's card); a source that holds README.source.md already (an
+    output of this tool) keeps that one, and its card is rendered anew."""
+    carried = {}
+    for name in side_files:
+        if name == CARD_NAME and SOURCE_CARD_NAME in side_files:
+            continue
+        carried[name] = SOURCE_CARD_NAME if name == CARD_NAME else name
+    return carried
+
+
 def _side_files(root: Path) -> tuple[str, ...]:
-    """Top-level non-weight files to carry over unchanged (tokenizer, generation config, templates, docs)."""
+    """Top-level non-weight files to carry over unchanged (tokenizer, generation config, templates, docs).
+
+    Raises:
+        InputError: a broken link, or an entry that is not a file or directory (a device, FIFO or socket, directly
+            or through a link): its bytes are not a file's to copy, and dropping it would lose it in silence.
+    """
     files = []
     for entry in sorted(root.iterdir()):
-        if entry.is_symlink() and not entry.exists() and not entry.name.startswith("."):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_symlink() and not entry.exists():
             # a dangling link (e.g. an incomplete Hugging Face cache snapshot) must not silently drop a tokenizer
             raise InputError(f"{entry}: broken symbolic link or symbolic link loop")
-        if entry.name.startswith(".") or not entry.is_file():
-            continue
+        if entry.is_dir():
+            continue  # subdirectories: sub_directories() names them, and convert says it leaves them
+        if not entry.is_file():
+            raise InputError(f"{entry}: {_kind(entry)}, not a file; a checkpoint's files are regular files: replace "
+                             "it with the file it stands for, or remove it")
         if entry.name in NOT_COPIED_NAMES or entry.name.endswith(NOT_COPIED_SUFFIXES):
             continue
         files.append(entry.name)
     return tuple(files)
+
+
+def sub_directories(root: Path) -> tuple[str, ...]:
+    """Top-level directories of a checkpoint: an output carries top-level files only."""
+    return tuple(sorted(e.name for e in root.iterdir() if not e.name.startswith(".") and e.is_dir()))
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    return f"a symbolic link to {kind[2:] if kind.startswith('a ') else kind}" if path.is_symlink() else kind

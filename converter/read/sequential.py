@@ -92,6 +92,11 @@ def known_sha256(path: Path) -> str | None:
     return None
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of a whole file: known from a Hugging Face cache blob's name, else read front to back here."""
+    return known_sha256(path) or _sha256_of(path, threading.Event())[0]
+
+
 HASH_READ_BYTES = 256 * 1024  # one hash read: small enough that sha256 reads it back from cache, not from memory
 HASH_IN_CHILD_BYTES = 64 * 1024 * 1024  # files at least this large are hashed by a child interpreter
 # the hashing children yield the cores to the writing process: its reads, renders and write submissions run the moment

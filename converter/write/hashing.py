@@ -93,11 +93,3 @@ class HashingWriter:
             self._blocks.write_tail(tail, self._offset)
             self._offset += self._staged
             self._staged = 0
-
-
-def sha256_file(path: Path) -> str:
-    sha256 = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(sequential.BLOCK_BYTES):
-            sha256.update(block)
-    return sha256.hexdigest()

@@ -13,7 +13,7 @@ MADE_WRITTEN = "written"  # conversion.json `output.made` of a file this tool ge
 
 
 def manifest_document(plan: CheckpointPlan, source: Checkpoint, *, source_hashes: Mapping[str, str | None],
-                      output_hashes: Mapping[str, str | None], made: Mapping[str, str], link: str, paired: bool,
+                      output_hashes: Mapping[str, str | None], output_sizes: Mapping[str, int], made: Mapping[str, str], link: str, paired: bool,
                       warnings: tuple[str, ...], origin: Mapping[str, str] | None = None,
                       hashed: bool = True, tp: int | None = None,
                       serving: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -21,7 +21,8 @@ def manifest_document(plan: CheckpointPlan, source: Checkpoint, *, source_hashes
 
     `output.made` says how each file came to be: "written" (generated), "copy", "reflink", "hardlink" or "symlink"
     (an unchanged source file); a linked file was never read, so its sha256 is null on both sides, as is every
-    shard's and weight file's with `hashed` False (--no-hash; the small JSON files are always hashed).
+    shard's and weight file's with `hashed` False (--no-hash; the small JSON files are always hashed). `output.sizes`
+    holds every file's size: what verify and upload check the output against, hashed or not.
     """
     return {
         "tool": "gemma4-convert",
@@ -37,7 +38,7 @@ def manifest_document(plan: CheckpointPlan, source: Checkpoint, *, source_hashes
         "warnings": list(warnings),
         "source": {"path": str(source.path.resolve()), **dict(origin or {}), "dialect": source.spec.dialect,
                    "config": dict(source.config), "files": dict(source_hashes)},
-        "output": {"files": dict(output_hashes), "made": dict(made), "link": link, "hashed": hashed,
+        "output": {"files": dict(output_hashes), "sizes": dict(output_sizes), "made": dict(made), "link": link, "hashed": hashed,
                    "total_size": plan.total_size},
         "tensors": [_tensor_record(t) for t in plan.tensors],
     }
