@@ -30,6 +30,7 @@ from .plan import CheckpointPlan, ShardPlan, index_document
 from .quantization import weights_per_element
 from .read.checkpoint import (CARD_NAME, INDEX_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, Checkpoint, carried_side_files,
                               read_checkpoint, sub_directories)
+from .read.identity import identities, refuse_changed
 from .read.sequential import PendingSha256, hashing_ahead, known_sha256
 from .validate.attention import has_fused_qkv
 from .write.budget import budget
@@ -275,6 +276,12 @@ def execute(plan: ConversionPlan, *, on_bytes: Callable[[int], None] = lambda n:
         return _write(plan, on_bytes)
 
 
+def _source_files(plan: ConversionPlan) -> list[Path]:
+    """Every source file the output is made of: its shards and its side files."""
+    return [path for item in plan.items for path in
+            [shard.file for shard in item.source.shards] + [item.source.path / name for name in item.plan.side_files]]
+
+
 def _write(plan: ConversionPlan, on_bytes: Callable[[int], None]) -> ConvertResult:
     """execute's work, under the output lock its caller holds."""
     outputs: dict[str, dict[str, str | None]] = {}
@@ -284,6 +291,7 @@ def _write(plan: ConversionPlan, on_bytes: Callable[[int], None]) -> ConvertResu
         _import_in_background("converter.transforms")
     if plan.request.out.exists() and not plan.request.force:  # another run finished it since we planned
         raise OutputError(f"{plan.request.out} already exists; choose a new directory or pass --force")
+    sources = identities(_source_files(plan))  # before the first read; compared after the last
     with staged_directory(plan.request.out, replace=plan.request.force) as staging, ExitStack() as stack:
         # every source file this conversion reads whole, hashed from the start on the cores the writes leave
         threads = budget()
@@ -302,6 +310,7 @@ def _write(plan: ConversionPlan, on_bytes: Callable[[int], None]) -> ConvertResu
         for subdir, write_manifest in finishing:  # every file is started: now wait for the writes and hashes
             outputs[subdir], how = write_manifest()
             made.update({f"{subdir}/{name}".lstrip("/"): h for name, h in how.items()})
+        refuse_changed(sources)  # still staged: a source that changed meanwhile leaves nothing behind
     return ConvertResult(plan=plan, output_files=outputs, made=made)
 
 

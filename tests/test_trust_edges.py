@@ -177,3 +177,44 @@ def test_a_subdirectory_is_named_as_left_behind(pair, tmp_path, run_cli):
     assert result.code == 0, result.err
     assert f"{pair / 'target'}: original/ not carried into the output" in result.err + result.out
     assert "original" not in os.listdir(tmp_path / "out" / "target")
+
+
+def _change_during_convert(monkeypatch, victim: Path, how: str) -> None:
+    """The source shard changes right after the first checkpoint's writes start: renamed over (same size, other
+    bytes, as a sync tool or a re-run download replaces a file), or written in place."""
+    import converter.pipeline as pipeline
+
+    real = pipeline._write_checkpoint
+    changed = []
+
+    def writing(*args, **kwargs):
+        files = real(*args, **kwargs)
+        if not changed:
+            changed.append(victim)
+            data = bytearray(victim.read_bytes())
+            data[-1] ^= 0xFF
+            if how == "renamed over":
+                replacement = victim.with_name("replacement.tmp")
+                replacement.write_bytes(bytes(data))
+                os.replace(replacement, victim)
+            else:
+                with open(victim, "r+b") as handle:
+                    handle.seek(len(data) - 1)
+                    handle.write(bytes(data[-1:]))
+        return files
+    monkeypatch.setattr(pipeline, "_write_checkpoint", writing)
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "pad-global"])
+@pytest.mark.parametrize("how", ["renamed over", "written in place"])
+def test_a_source_that_changes_during_convert_fails_it_and_leaves_nothing(pair, tmp_path, run_cli, monkeypatch,
+                                                                        layout, how):
+    shard = pair / "target" / "model-00001-of-00002.safetensors"
+    _change_during_convert(monkeypatch, shard, how)
+    out = tmp_path / "out"
+    result = run_cli("convert", "--target", pair / "target", "--assistant", pair / "assistant", "--out", out,
+                     "--layout", layout)
+    assert result.code == EXIT_INPUT
+    assert result.err.strip().splitlines()[-1].startswith(f"error: {shard}: ")
+    assert ("was replaced" if how == "renamed over" else "was modified") in result.err
+    assert not out.exists() and not partial_dir(out).exists()
