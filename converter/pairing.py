@@ -127,6 +127,28 @@ def _kv_share(target: ModelSpec, assistant_layer) -> KvShare:
                    target_geometry=geometry)
 
 
+# vLLM <= 0.33 picks a draft's speculative method from substrings of its model string, lower-cased, ahead of the
+# method the --speculative-config names: `elif "eagle-" in self.draft_model_config.model.lower(): self.method =
+# "eagle"` in SpeculativeConfig.__post_init__ (vllm/config/speculative.py; read in 0.27.0, which also lists eagle3,
+# dflash and dspark). An MTP assistant so named is then built as that method's draft and fails in SpeculativeConfig
+# (measured on 0.27.0: AttributeError: 'Gemma4AssistantConfig' object has no attribute 'vocab_size'). vLLM 0.34
+# reads Gemma 4 MTP's own speculator config first and is unaffected. docs/DESIGN.md, "Draft names vLLM misreads".
+METHOD_BY_DRAFT_NAME = (("eagle-", "EAGLE"), ("eagle3", "EAGLE-3"), ("dflash", "DFlash"), ("dspark", "DSpark"))
+MISREADING_RELEASES = "vLLM 0.33 and older"
+
+
+def misread_draft_name(reference: str) -> str | None:
+    """Why vLLM would not serve `reference` (a draft's path or repo id, as the serve line names it) as an MTP
+    draft, or None when it would."""
+    lowered = reference.lower()
+    for substring, method in METHOD_BY_DRAFT_NAME:
+        if substring in lowered:
+            return (f"{reference!r} holds {substring!r}: {MISREADING_RELEASES} take a draft so named for a {method} "
+                    f"draft, whatever --speculative-config says, and fail to start; choose a name without "
+                    f"{', '.join(repr(s) for s, _ in METHOD_BY_DRAFT_NAME)}")
+    return None
+
+
 def serve_line(*, target: str | None, assistant: str | None, layout: str | None, tp: int | None = None) -> str:
     """The `vllm serve` command for a pair, by local path (convert) or repo id (cards), with the flags the layout
     (a registered name; any other, or None for a source as it is, gets none) asks for (Layout.serve_flags)."""

@@ -12,7 +12,7 @@ import shutil
 import threading
 from concurrent.futures import Future
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -24,7 +24,7 @@ from .hub.download import (ASSISTANT_SUFFIX, LocalSource, fetch_weights, open_ch
                            published_assistant, resolve_source)
 from .layouts import Layout, default_layout, get_layout
 from .layouts.base import layout_from_manifest
-from .pairing import PairReport, check_pair, serve_line
+from .pairing import PairReport, check_pair, misread_draft_name, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, ShardPlan, index_document
 from .quantization import weights_per_element
@@ -57,6 +57,7 @@ class ConvertRequest:
     link: str = "auto"  # how unchanged files get into the output: write.placement.LINK_MODES
     hashed: bool = True  # sha256 of every source and output file read or written (--no-hash: null in the manifest)
     tp: int | None = None  # the tensor-parallel size the user serves with (--tp): checked, named in the serve line
+    any_name: bool = False  # --any-name: an output path vLLM misreads as another draft method warns, not refuses
     # role -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[Role, Mapping[str, str]] = field(default_factory=dict, hash=False)
     serving: ServingEnv | None = None  # the environment the layout was chosen for (recorded, quoted on the card)
@@ -181,6 +182,7 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     for item in items:
         warnings.extend(item.plan.warnings)
     plan = ConversionPlan(request=request, items=items, pair=pair, warnings=tuple(warnings))
+    plan = _check_draft_name(plan)
     _check_free_space(request.out, plan.output_bytes - _linked_bytes(request, items))
     return plan
 
@@ -206,6 +208,18 @@ def _sources(request: ConvertRequest) -> dict[Role, Path]:
     if not sources:
         raise UsageError("nothing to convert: give SRC, or --target and/or --assistant")
     return sources
+
+
+def _check_draft_name(plan: ConversionPlan) -> ConversionPlan:
+    """An assistant written where vLLM's serve line would name it as another speculative method's draft is refused
+    (pairing.misread_draft_name), or with --any-name written with a warning."""
+    for item in plan.items:
+        why = misread_draft_name(str(plan.output_dir(item))) if item.source.spec.role == ROLE_ASSISTANT else None
+        if why and not plan.request.any_name:
+            raise UsageError(f"--out {plan.request.out}: the assistant's path {why} (or pass --any-name)")
+        if why:
+            plan = replace(plan, warnings=plan.warnings + (f"the assistant's path {why}",))
+    return plan
 
 
 def _check_output(request: ConvertRequest, sources: list[Path]) -> None:
@@ -331,6 +345,7 @@ class ConvertJob:
     link: str = "auto"
     hashed: bool = True
     tp: int | None = None
+    any_name: bool = False  # --any-name
     dry_run: bool = False
 
 
@@ -382,7 +397,8 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
     request = ConvertRequest(
         out=job.out, layout=job.layout or (decision.writes if decision else default_layout().name),
         layout_options=job.layout_options, force=job.force, max_shard_bytes=job.max_shard_bytes, link=job.link,
-        hashed=job.hashed, tp=job.tp, serving=job.serving, opened={sources[role].path: checkpoint for role, checkpoint in opened.items()},
+        hashed=job.hashed, tp=job.tp, any_name=job.any_name, serving=job.serving,
+        opened={sources[role].path: checkpoint for role, checkpoint in opened.items()},
         origins={role: source.origin() for role, source in sources.items() if source.origin()},
         **{role.value: source.path for role, source in sources.items()})
     plan = plan_conversion(request)

@@ -218,3 +218,31 @@ def test_a_source_that_changes_during_convert_fails_it_and_leaves_nothing(pair, 
     assert result.err.strip().splitlines()[-1].startswith(f"error: {shard}: ")
     assert ("was replaced" if how == "renamed over" else "was modified") in result.err
     assert not out.exists() and not partial_dir(out).exists()
+
+
+@pytest.mark.parametrize("name, substring", [("gemma-eagle-draft", "eagle-"), ("My-EAGLE3-pair", "eagle3"),
+                                             ("dflash-test", "dflash"), ("gemma_dspark", "dspark")])
+def test_an_out_name_vllm_reads_as_another_method_is_refused(pair, tmp_path, run_cli, name, substring):
+    out = tmp_path / name
+    result = convert(run_cli, pair, out, "--dry-run")
+    assert result.code == 2
+    line = result.err.strip()
+    assert line.startswith(f"error: --out {out}: the assistant's path ") and f"holds {substring!r}" in line
+    assert "vLLM 0.33 and older" in line and "(or pass --any-name)" in line
+    warned = convert(run_cli, pair, out, "--any-name")
+    assert warned.code == 0 and f"holds {substring!r}" in warned.err
+    assert (out / "assistant" / "config.json").is_file()
+
+
+def test_a_target_alone_may_hold_any_name(pair, tmp_path, run_cli):
+    result = run_cli("convert", pair / "target", "--out", tmp_path / "eagle-target", "--layout", "per-layer",
+                     "--dry-run")
+    assert result.code == 0, result.err
+
+
+def test_an_assistant_repo_vllm_reads_as_another_method_is_refused(verified, run_cli):
+    result = run_cli("upload", verified, "--target-repo", "me/g4", "--assistant-repo", "me/g4-eagle3", "--dry-run")
+    assert result.code == 2 and "the assistant's repo 'me/g4-eagle3' holds 'eagle3'" in result.err
+    assert run_cli("upload", verified, "me/eagle3-pair", "--dry-run").code == 2  # the -assistant repo is named so too
+    assert run_cli("upload", verified, "--target-repo", "me/g4", "--assistant-repo", "me/g4-eagle3", "--dry-run",
+                   "--any-name").code == 0

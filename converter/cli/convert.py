@@ -60,13 +60,16 @@ def _size(ctx, param, value):
 @click.option("--tp", type=click.IntRange(min=1), default=None, metavar="N",
               help="The tensor-parallel size you serve with: a size vLLM refuses for the output's geometry stops "
                    "the conversion (exit 3); the serve line and the cards name --tensor-parallel-size N.")
+@click.option("--any-name", is_flag=True,
+              help="Write OUT even where vLLM 0.33 and older would take the assistant's path for another speculative "
+                   "method's draft (it holds eagle-, eagle3, dflash or dspark): a warning instead of a refusal.")
 @click.option("--max-shard-size", callback=_size, default=None, metavar="SIZE",
               help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
 @click.pass_context
 def command(ctx: click.Context, src: str | None, target: str | None, assistant: str | None, target_only: bool,
             out: Path, layout: str | None, serving_python: Path | None, serving_spec: str | None,
             flat_keys_only: bool, force: bool, link: str, hashed: bool, dry_run: bool,
-            max_shard_size: int | None, tp: int | None) -> None:
+            max_shard_size: int | None, tp: int | None, any_name: bool) -> None:
     """Convert a target and its assistant (or one checkpoint SRC) into OUT.
 
     \b
@@ -87,7 +90,8 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
     job = ConvertJob(out=out, sources=sources, layout=flat_layout if flat_keys_only and layout is None else layout,
                      layout_options=dict([FLAT_KEYS_ONLY]) if flat_keys_only else {},
                      serving=serving_env(serving_python, serving_spec), target_only=target_only, force=force,
-                     max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp, dry_run=dry_run)
+                     max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp, dry_run=dry_run,
+                     any_name=any_name)
     with ExitStack() as stack:
         progress: list[Any] = []
 

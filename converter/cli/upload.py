@@ -23,6 +23,9 @@ from ._common import PATH, hub_api
 @click.option("--commit-message", metavar="M", help="Commit title (default names the layout and tool version).")
 @click.option("--dry-run", is_flag=True, help="Print files, sizes and the model card; contact nothing.")
 @click.option("--no-verify", is_flag=True, help="Upload even without a passing verification.json.")
+@click.option("--any-name", is_flag=True,
+              help="Upload even where vLLM 0.33 and older would take the assistant's repo id for another speculative "
+                   "method's draft (it holds eagle-, eagle3, dflash or dspark): a warning instead of a refusal.")
 @click.option("--no-hash", is_flag=True,
               help="Check the files against conversion.json by size only, not by re-hashing every byte first.")
 @click.option("--base-model", metavar="OWNER/NAME",
@@ -33,7 +36,7 @@ from ._common import PATH, hub_api
 @click.pass_context
 def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str | None, assistant_repo: str | None,
             private: bool, revision: str | None, create_pr: bool, commit_message: str | None, dry_run: bool,
-            no_verify: bool, no_hash: bool, base_model: str | None, assistant_base_model: str | None) -> None:
+            no_verify: bool, any_name: bool, no_hash: bool, base_model: str | None, assistant_base_model: str | None) -> None:
     """Upload a converted checkpoint (DST REPO_ID) or pair (DST REPO_ID: the assistant to REPO_ID-assistant; or
     DST --target-repo T --assistant-repo A).
 
@@ -51,7 +54,8 @@ def command(ctx: click.Context, dst: Path, repo_id: str | None, target_repo: str
                                             (Role.ASSISTANT, assistant_repo)) if repo}
     request = UploadRequest(dst=dst, repos=repos, private=private, revision=revision, create_pr=create_pr,
                             commit_message=commit_message, verify_required=not no_verify, base_model=base_model,
-                            assistant_base_model=assistant_base_model, hashed=not no_hash)
+                            assistant_base_model=assistant_base_model, hashed=not no_hash,
+                            any_name=any_name)
     from tqdm import tqdm  # ~0.1 s: imported by the runs that show progress, not by --help
 
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="re-hashing", disable=None, leave=False) as bar:

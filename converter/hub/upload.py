@@ -18,6 +18,7 @@ from .. import __version__
 from ..errors import InputError, UsageError, VerificationFailed
 from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role
 from ..read.checkpoint import CARD_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, VERIFICATION_NAME, read_json
+from ..pairing import misread_draft_name
 from ..proof.files import file_problems, manifest_sha256
 from .download import ASSISTANT_SUFFIX
 from .errors import hub_errors, transfer_errors
@@ -39,6 +40,7 @@ class UploadRequest:
     verify_required: bool = True
     base_model: str | None = None  # the target's (or a single checkpoint's) base, over what conversion.json records
     assistant_base_model: str | None = None  # the assistant's base, over what its conversion.json records
+    any_name: bool = False  # an assistant repo id vLLM misreads as another draft method: a warning, not a refusal
     hashed: bool = True  # re-hash every file against conversion.json before the first byte goes out (--no-hash: sizes)
 
 
@@ -115,6 +117,7 @@ def plan_upload(request: UploadRequest, *, on_bytes: Callable[[int], None] = lam
         raise UsageError("--create-pr opens a pull request against main; drop --revision (or use --revision "
                          "refs/pr/N without --create-pr to add to an existing PR)")
     manifests = {role: _read_manifest(directory) for role, directory in dirs.items()}
+    misread = _misread_names(request, manifests)
     serve_repos = _serve_repos(request.repos, manifests)
     engine_report = _read_engine_report(request.dst)
     items, unknown, bases = [], [], {}
@@ -144,9 +147,22 @@ def plan_upload(request: UploadRequest, *, on_bytes: Callable[[int], None] = lam
         items.append(UploadItem(role=role, kind=str(manifest.get("role")), layout=str(manifest.get("layout")),
                                 directory=directory, repo_id=request.repos[role],
                                 files=_upload_files(directory, card, rewritten), card=card))
-    warnings = () if Role.SINGLE in dirs else tuple(filter(None, [mismatched_bases(
-        *(b.repo_id if b else None for b in (bases.get(ROLE_TARGET), bases.get(ROLE_ASSISTANT))))]))
+    warnings = misread + (() if Role.SINGLE in dirs else tuple(filter(None, [mismatched_bases(
+        *(b.repo_id if b else None for b in (bases.get(ROLE_TARGET), bases.get(ROLE_ASSISTANT))))])))
     return UploadPlan(request=request, items=tuple(items), unknown_base=tuple(unknown), warnings=warnings)
+
+
+def _misread_names(request: UploadRequest, manifests: Mapping[Role, Mapping[str, Any]]) -> tuple[str, ...]:
+    """An assistant's repo id that vLLM would serve as another method's draft: refused, or with --any-name a
+    warning (pairing.misread_draft_name)."""
+    found = []
+    for role, manifest in manifests.items():
+        why = misread_draft_name(request.repos[role]) if manifest.get("role") == ROLE_ASSISTANT else None
+        if why and not request.any_name:
+            raise UsageError(f"the assistant's repo {why} (or pass --any-name)")
+        if why:
+            found.append(f"the assistant's repo {why}")
+    return tuple(found)
 
 
 def _pair_repos(request: UploadRequest, dirs: Mapping[Role, Path]) -> UploadRequest:
