@@ -181,6 +181,7 @@ class ModelSpec:
     moe: MoeConfig | None = None
     # the text config carries the complete zero-cost dual keys (DUAL_KEYS), consistent with the flat ones
     dual_keys: bool = False
+    max_position_embeddings: int | None = None
 
     @property
     def kind(self) -> str:
@@ -244,7 +245,12 @@ def read_spec(config: Mapping[str, Any], *, source: str, hf_quant_config: Any = 
         quantization=quantization,
         moe=_read_moe(text, attention.hidden_size, source),
         dual_keys=has_dual_keys(text, source=source),
+        max_position_embeddings=_optional_int(text.get("max_position_embeddings")),
     )
+
+
+def _optional_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _read_moe(text: Mapping[str, Any], hidden_size: int, source: str) -> MoeConfig | None:

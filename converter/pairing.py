@@ -50,6 +50,7 @@ class PairReport:
     shares: tuple[KvShare, ...]
     problems: tuple[str, ...]
     per_rank: tuple[RankShare, ...] = ()
+    notes: tuple[str, ...] = ()  # what the pair does differently from one Google ships; it can still serve
 
     @property
     def ok(self) -> bool:
@@ -104,7 +105,37 @@ def check_pair(target: ModelSpec, assistant: ModelSpec, *, target_manifest: Mapp
     if both and layouts[0] != layouts[1]:
         problems.append(f"layouts differ: target {layouts[0] or 'unconverted'}, assistant {layouts[1] or 'unconverted'}"
                         f"; {both[0]} must be applied to both")
-    return PairReport(shares=shares, problems=tuple(problems), per_rank=per_rank)
+    return PairReport(shares=shares, problems=tuple(problems), per_rank=per_rank, notes=pair_notes(target, assistant))
+
+
+UNIFIED_FAMILY = "gemma4_unified"  # the 12B's target model_type; its assistant's is gemma4_unified_assistant
+
+
+def pair_notes(target: ModelSpec, assistant: ModelSpec) -> tuple[str, ...]:
+    """What the consumers do with a pair whose assistant differs from its target in what vLLM shares between them
+    (the draft's positions and the cache its sliding layers read) or in family (docs/DESIGN.md, "Pairs that differ from their target")."""
+    notes = []
+    draft_positions, positions = assistant.max_position_embeddings, target.max_position_embeddings
+    if draft_positions is not None and positions is not None and draft_positions < positions:
+        notes.append(f"assistant max_position_embeddings {draft_positions} < target's {positions}: vLLM 0.27 sizes "
+                     f"the draft's rotary table by the assistant's (its raise to the target's length is for EAGLE "
+                     f"only), so a longer context reads past it; serve with --max-model-len {draft_positions} or "
+                     f"less there (0.34 raises it to the target's max_model_len)")
+    elif draft_positions is not None and positions is not None and draft_positions > positions:
+        notes.append(f"assistant max_position_embeddings {draft_positions} > target's {positions}: vLLM caps the "
+                     f"draft at the target's max_model_len; nothing else changes")
+    draft_window, window = assistant.attention.sliding_window, target.attention.sliding_window
+    if draft_window is not None and window is not None and draft_window != window:
+        effect = ("reaches blocks the target's sliding-window cache has already freed (vLLM: stale KV, lower "
+                  "acceptance)" if draft_window > window else "attends to less than the target's cache holds")
+        notes.append(f"assistant sliding_window {draft_window} != target's {window}: its sliding layers read the "
+                     f"target's cache but attend over their own window (vLLM 0.27's Gemma4MTP), which {effect}")
+    if (target.model_type == UNIFIED_FAMILY) != assistant.model_type.startswith(UNIFIED_FAMILY):
+        notes.append(f"{assistant.model_type} beside a {target.model_type} target: vLLM 0.27 maps "
+                     f"both assistant types to one draft (Gemma4MTP) and serves the pair; no such pair is published "
+                     f"(the 12B ships gemma4_unified with gemma4_unified_assistant), so check the assistant was "
+                     f"trained for this target")
+    return tuple(notes)
 
 
 def _rank_share(target: ModelSpec, assistant: ModelSpec, share: KvShare, tp: int) -> RankShare:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import shlex
 import shutil
 import threading
 from concurrent.futures import Future
@@ -28,7 +27,7 @@ from .pairing import PairReport, check_pair, misread_draft_name, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, ShardPlan, index_document
 from .quantization import weights_per_element
-from .read.checkpoint import (CARD_NAME, INDEX_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, Checkpoint, carried_side_files,
+from .read.checkpoint import (CARD_NAME, check_roles, INDEX_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, Checkpoint, carried_side_files,
                               read_checkpoint, sub_directories)
 from .read.identity import identities, refuse_changed
 from .read.sequential import PendingSha256, hashing_ahead, known_sha256
@@ -126,19 +125,6 @@ class ConvertResult:
     made: dict[str, str] = field(default_factory=dict)  # "subdir/name" -> how (conversion.json `output.made`)
 
 
-def check_roles(checkpoints: Mapping[Role, Checkpoint], names: Mapping[Role, str]) -> None:
-    """Each --target is a target and each --assistant an assistant; `names` as the user gave them (a Hub id, not
-    its snapshot path), so the fix can be typed back."""
-    wrong = {role: c for role, c in checkpoints.items() if role is not Role.SINGLE and c.spec.role != role}
-    if not wrong:
-        return
-    said = "; ".join(f"--{role} {shlex.quote(names[role])} is a {c.spec.kind}" for role, c in wrong.items())
-    if len(wrong) == 2:
-        raise UsageError(f"{said}: swap --target and --assistant")
-    role, checkpoint = next(iter(wrong.items()))
-    raise UsageError(f"{said}: give it as --{checkpoint.spec.role}")
-
-
 def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     """Reads headers, checks inputs and output, plans every tensor; writes nothing.
 
@@ -166,6 +152,7 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
         if not pair.ok:
             raise InputError(f"{checkpoints[ROLE_ASSISTANT].path} cannot serve with {checkpoints[ROLE_TARGET].path}: "
                              + "; ".join(pair.problems))
+        warnings.extend(pair.notes)
     elif layout.pair_must_match:
         role = next(iter(checkpoints.values())).spec.role
         other = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import signal
@@ -13,10 +14,11 @@ import warnings
 import click
 
 from .. import __version__
-from ..errors import ConverterError
+from ..errors import ConverterError, OutputError
 
 EXIT_INTERRUPTED = 130
 EXIT_UNEXPECTED = 70
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away (`| head -1`)
 
 
 # verb -> module of this package; a verb's module (and what it imports) loads only when that verb runs or --help
@@ -25,7 +27,29 @@ VERBS = {"inspect": "inspect", "convert": "convert", "check-pair": "check_pair",
          "compat": "compat"}
 
 
+class StdoutFailed(Exception):
+    """Writing standard output failed (a full device, a reader gone). Not an OSError, so that click's own handler
+    (which turns a broken pipe into exit 1, the code `verify` gives a failed proof) lets it through to main."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.strerror or str(error))
+        self.errno = error.errno
+
+
+def _raised_writing_stdout(error: OSError) -> bool:
+    return any(frame.f_code is click.utils.echo.__code__ and not frame.f_locals.get("err")
+               for frame, _ in traceback.walk_tb(error.__traceback__))
+
+
 class _VerbGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if _raised_writing_stdout(exc):
+                raise StdoutFailed(exc) from exc
+            raise
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(VERBS)
 
@@ -50,6 +74,25 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _unexpected(exc: BaseException, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    first_line = (str(exc).splitlines() or [""])[0]
+    click.echo(f"error: unexpected {type(exc).__name__}: {first_line} (rerun with --debug for the traceback)",
+               err=True)
+    sys.exit(EXIT_UNEXPECTED)
+
+
+def _detach_stdout() -> None:
+    """Points fd 1 at /dev/null so that the interpreter's own flush at exit does not fail (and print) again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (tests' CliRunner, a closed fd)
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps every error to one line and an exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv) or bool(os.environ.get("GEMMA4_CONVERT_DEBUG"))
@@ -72,13 +115,15 @@ def main(argv: list[str] | None = None) -> None:
     except ConverterError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except StdoutFailed as exc:
+        _detach_stdout()
+        if exc.errno == errno.EPIPE:  # quietly, as a writer killed by SIGPIPE would stop
+            sys.exit(EXIT_BROKEN_PIPE)
+        click.echo(f"error: cannot write to standard output ({exc}); an output being written was removed, one "
+                   f"already renamed into place is complete", err=True)
+        sys.exit(OutputError.exit_code)
     except Exception as exc:  # noqa: BLE001 - the one place that turns the unexpected into an exit code
-        if debug:
-            traceback.print_exc()
-        first_line = (str(exc).splitlines() or [""])[0]
-        click.echo(f"error: unexpected {type(exc).__name__}: {first_line} (rerun with --debug for the traceback)",
-                   err=True)
-        sys.exit(EXIT_UNEXPECTED)
+        _unexpected(exc, debug)
     finally:
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)

@@ -26,7 +26,7 @@ def command(target: LocalSource, assistant: LocalSource, as_json: bool, tp_sizes
     report = check_pair(t.spec, a.spec, target_manifest=t.manifest, assistant_manifest=a.manifest,
                         tp_sizes=tp_sizes or DEFAULT_TP_SIZES, tp_required=bool(tp_sizes))
     if as_json:
-        echo_json({"ok": report.ok, "problems": list(report.problems),
+        echo_json({"ok": report.ok, "problems": list(report.problems), "notes": list(report.notes),
                    "kv_sharing": [{"assistant_layer": s.assistant_layer, "layer_type": s.layer_type,
                                    "target_layer": s.target_layer, "assistant": list(s.assistant_geometry),
                                    "target": list(s.target_geometry) if s.target_geometry else None, "ok": s.ok}
@@ -47,5 +47,7 @@ def command(target: LocalSource, assistant: LocalSource, as_json: bool, tp_sizes
         click.echo("pair OK: can serve together" if report.ok else "pair CANNOT serve together:")
         for problem in report.problems:
             click.echo(f"  - {problem}")
+        for note in report.notes:
+            click.echo(f"note: {note}")
     if not report.ok:
         raise VerificationFailed(f"{assistant.label} and {target.label} cannot serve together: {report.problems[0]}")

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import UsageError, VerificationFailed
+from ..gemma4 import Role
 from ..hub.download import LocalSource
 from ..proof.verify import VerifyReport, VerifyRequest, load_pairs, verify
 from ..read.checkpoint import VERIFICATION_NAME
@@ -48,13 +49,17 @@ def command(paths: tuple[Path, ...], target: LocalSource | None, assistant: Loca
     if paths and converted:
         raise UsageError("give SRC DST or --converted, not both")
     single, out = (paths[0], paths[1]) if paths else (None, converted)
+    names = {role: source.repo_id or str(source.path) for role, source in
+             ((Role.TARGET, target), (Role.ASSISTANT, assistant)) if source is not None}
+    if single is not None:
+        names[Role.SINGLE] = str(single)
     if single is not None:  # SRC may be a Hub repo id, fetched at one commit like --target/--assistant
         single = resolve_cli_source(str(single), purpose="full", ctx=click.get_current_context()).path
     if out is None:
         raise UsageError("missing --converted DST")
     request = VerifyRequest(converted=out, target=target and target.path, assistant=assistant and assistant.path,
                             single=single, device=device, dtype=dtype, seed=seed, seq_len=seq_len,
-                            tolerance_factor=tolerance_factor, tp_sizes=tp_sizes)
+                            tolerance_factor=tolerance_factor, tp_sizes=tp_sizes, names=names)
     pairs = load_pairs(request)
     total = sum(output.total_bytes for _, output in pairs.values())
     from tqdm import tqdm  # ~0.1 s: imported by the runs that show progress, not by --help

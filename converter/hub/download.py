@@ -12,7 +12,6 @@ This module does I/O and bookkeeping only, never tensor math; a re-run resumes (
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,8 +290,8 @@ def _indexed_shards(folder: Path) -> list[str]:
     if not index_path.is_file():
         return [SINGLE_NAME]
     try:
-        names = sorted(set(json.loads(index_path.read_text(encoding="utf-8")).get("weight_map", {}).values()))
-    except (ValueError, AttributeError, TypeError):
+        names = sorted(set(read_json(index_path).get("weight_map", {}).values()))
+    except (InputError, AttributeError, TypeError):
         return []
     return [name for name in names if isinstance(name, str) and Path(name).name == name]
 
@@ -311,9 +310,9 @@ def _missing_files(folder: Path) -> list[str]:
     index_path = folder / INDEX_NAME
     if index_path.is_file():
         try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8")).get("weight_map", {})
+            weight_map = read_json(index_path).get("weight_map", {})
             names = sorted(set(weight_map.values()))
-        except (ValueError, AttributeError, TypeError):
+        except (InputError, AttributeError, TypeError):
             return []  # read_checkpoint names the broken index itself
         return [name for name in names if Path(name).name == name and not (folder / name).is_file()]
     return [] if (folder / SINGLE_NAME).is_file() or any(folder.glob("*.safetensors")) else [SINGLE_NAME]

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import __version__
-from ..errors import InputError, UsageError
-from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, parse_attention_name
+from ..errors import InputError, UsageError, VerificationFailed
+from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role, parse_attention_name
 from ..layouts.base import layout_from_manifest
 from ..pairing import check_pair
 from ..parallel import DEFAULT_TP_SIZES
 from ..plan import TensorPlan
-from ..read.checkpoint import Checkpoint, carried_side_files, read_checkpoint
+from ..read.checkpoint import Checkpoint, carried_side_files, check_roles, read_checkpoint
 from ..read.sequential import MappedFile, file_sha256
 from .checks import LayerCheck
 from .files import file_problems, manifest_sha256
@@ -264,6 +264,7 @@ class VerifyRequest:
     seq_len: int = 64
     tolerance_factor: float = 2.0
     tp_sizes: tuple[int, ...] = ()  # --tp: the tensor-parallel sizes served with (empty: DEFAULT_TP_SIZES, advisory)
+    names: dict[str, str] = field(default_factory=dict)  # role -> the source as the user named it (a Hub id)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -278,22 +279,52 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_pairs(request: VerifyRequest) -> dict[str, tuple[Checkpoint, Checkpoint]]:
-    """(source, output) checkpoints per role, from the request's paths."""
+    """(source, output) checkpoints per role, from the request's paths, each source the one its output was
+    converted from.
+
+    Raises:
+        UsageError: a source given in the other role (swapped --target/--assistant, or SRC DST of two kinds).
+        VerificationFailed: a source other than the one conversion.json records (another pair, another size).
+        InputError: a missing or unreadable checkpoint.
+    """
     if request.single is not None:
         if request.target or request.assistant:
             raise UsageError("give either SRC DST or --target/--assistant --converted, not both")
         source, output = read_checkpoint(request.single), read_checkpoint(request.converted)
+        if source.spec.role != output.spec.role:
+            raise UsageError(f"SRC {request.names.get(Role.SINGLE, request.single)} is a {source.spec.kind} and DST "
+                             f"{request.converted} a converted {output.spec.kind}: give the {output.spec.kind} "
+                             f"it was converted from")
+        _check_converted_from(source, output, Role.SINGLE, request.names.get(Role.SINGLE))
         return {source.spec.role: (source, output)}
-    pairs = {}
-    for role, path in ((ROLE_TARGET, request.target), (ROLE_ASSISTANT, request.assistant)):
-        if path is not None:
-            directory = request.converted / role
-            if not directory.is_dir():
-                raise InputError(f"{directory}: not found; was {request.converted} converted with --{role}?")
-            pairs[role] = (read_checkpoint(path), read_checkpoint(directory))
-    if not pairs:
+    given = {Role(role): path for role, path in ((ROLE_TARGET, request.target), (ROLE_ASSISTANT, request.assistant))
+             if path is not None}
+    if not given:
         raise UsageError("nothing to verify: give SRC DST, or --target/--assistant with --converted")
+    sources = {role: read_checkpoint(path) for role, path in given.items()}
+    check_roles(sources, {role: request.names.get(role, str(path)) for role, path in given.items()})
+    pairs = {}
+    for role, source in sources.items():
+        directory = request.converted / role
+        if not directory.is_dir():
+            raise InputError(f"{directory}: not found; was {request.converted} converted with --{role}?")
+        output = read_checkpoint(directory)
+        _check_converted_from(source, output, role, request.names.get(role))
+        pairs[str(role)] = (source, output)
     return pairs
+
+
+def _check_converted_from(source: Checkpoint, output: Checkpoint, role: Role, name: str | None) -> None:
+    """The source config conversion.json recorded is this source's: a verdict before any tensor is compared (another
+    pair's tensors have other shapes, which the numerical checks cannot even multiply)."""
+    recorded = ((output.manifest or {}).get("source") or {}).get("config")
+    if recorded is None or recorded == dict(source.config):
+        return  # no manifest: check_structure says so
+    differing = sorted(_differing_keys(recorded, dict(source.config)))
+    shown = ", ".join(differing[:4]) + (f" and {len(differing) - 4} more" if len(differing) > 4 else "")
+    flag = "SRC" if role is Role.SINGLE else f"--{role}"
+    raise VerificationFailed(f"{output.path} was not converted from {flag} {name or source.path}: its config "
+                             f"differs from the one conversion.json records at {shown}")
 
 
 def versions(device: torch.device) -> dict[str, str | None]:

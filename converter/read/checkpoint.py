@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
+import shlex
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import InputError
-from ..gemma4 import ModelSpec, read_spec
+from ..errors import InputError, UsageError
+from ..gemma4 import ModelSpec, Role, read_spec
+from .json_text import parse_json
 from .safetensors_header import ShardHeader, TensorRef, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -46,15 +47,14 @@ class Checkpoint:
 
 
 def read_json(path: Path) -> Any:
-    """Parses a JSON file; every failure is a one-line InputError naming it."""
+    """Parses a JSON file strictly (parse_json); every failure is a one-line InputError naming it."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError as exc:
         raise InputError(f"{path}: not found") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from exc
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: invalid JSON ({exc})") from exc
+    return parse_json(text, path)
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
@@ -214,3 +214,16 @@ def _kind(path: Path) -> str:
     kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
             "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
     return f"a symbolic link to {kind[2:] if kind.startswith('a ') else kind}" if path.is_symlink() else kind
+
+
+def check_roles(checkpoints: Mapping[Role, Checkpoint], names: Mapping[Role, str]) -> None:
+    """Each --target is a target and each --assistant an assistant; `names` as the user gave them (a Hub id, not
+    its snapshot path), so the fix can be typed back."""
+    wrong = {role: c for role, c in checkpoints.items() if role is not Role.SINGLE and c.spec.role != role}
+    if not wrong:
+        return
+    said = "; ".join(f"--{role} {shlex.quote(names[role])} is a {c.spec.kind}" for role, c in wrong.items())
+    if len(wrong) == 2:
+        raise UsageError(f"{said}: swap --target and --assistant")
+    role, checkpoint = next(iter(wrong.items()))
+    raise UsageError(f"{said}: give it as --{checkpoint.spec.role}")

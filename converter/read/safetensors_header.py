@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InputError
+from .json_text import parse_json
 
 # safetensors dtype name -> (torch dtype attribute, bytes per element); names, not torch objects, so that reading
 # headers (inspect, check-pair, planning) never imports torch (transforms.torch_dtype resolves them)
@@ -74,15 +75,15 @@ def read_header(path: Path) -> ShardHeader:
             if len(prefix) < 8:
                 raise InputError(f"{path}: not a safetensors file (only {len(prefix)} bytes)")
             (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
+            if length > MAX_HEADER_BYTES:
+                raise InputError(f"{path}: header length {length} bytes is over the {MAX_HEADER_BYTES} bytes "
+                                 f"safetensors itself reads (corrupt, or not written by safetensors)")
+            if 8 + length > size:
                 raise InputError(f"{path}: header length {length} exceeds the file size {size} (truncated or corrupt)")
             raw = handle.read(length)
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over 4300 digits, deep nesting
-        raise InputError(f"{path}: safetensors header is not valid JSON ({exc})") from exc
+    header = parse_json(raw, path, what="safetensors header is not valid JSON")
     if not isinstance(header, dict):
         raise InputError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None)
