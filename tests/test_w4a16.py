@@ -40,3 +40,24 @@ def test_pad_global_refuses_groups_that_straddle_half_a_head(w4a16_pair, tmp_pat
     assert "groups of 32 input columns straddle two halves of a 32-wide head" in result.err
     assert "--layout per-layer" in result.err and result.err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("group, width, said", [
+    (32, 8, "its groups of 32 input columns span 4 heads of 8 columns each"),
+    (48, 32, "its groups of 48 input columns span 1.50 heads of 32 columns each"),
+    (32, 32, "its groups of 32 input columns straddle two halves of a 32-wide head"),
+    (16, 24, "its groups of 16 input columns straddle two halves of a 24-wide head"),
+])
+def test_the_pack_quantized_refusal_states_the_geometry(group, width, said):
+    """A group wider than a head spans whole heads (issue 53: "straddle two halves of a 8-wide head" was said of a
+    group of 32 over four heads of 8)."""
+    from converter.gemma4 import LayerGeometry
+    from converter.layouts.pad_global import _packed_problem
+    from converter.quantization import COMPRESSED_TENSORS, WeightScheme
+
+    scheme = WeightScheme(method=COMPRESSED_TENSORS, format="pack-quantized", type="int", num_bits=4,
+                          strategy="group", group_size=group)
+    layer = LayerGeometry(index=0, layer_type="sliding_attention", head_dim=width, num_kv_heads=1, k_eq_v=False,
+                          kv_shared=False)
+    assert _packed_problem(scheme, "o_proj", layer).startswith(said)
+    assert _packed_problem(scheme, "q_proj", layer) is None

@@ -66,7 +66,7 @@ def cli(debug: bool) -> None:
 
     \b
     Exit codes: 0 ok, 1 verification / pair check failed, 2 usage, 3 bad input checkpoint,
-    4 output problem (exists, no space, permissions), 5 Hub error, 70 unexpected, 130 interrupted.
+    4 output problem (exists, no space, permissions), 5 Hub error, 70 unexpected, 130 interrupted, 141 stdout closed.
     """
 
 

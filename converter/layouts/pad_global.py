@@ -233,9 +233,14 @@ def _packed_problem(scheme: WeightScheme, module: str, layer: LayerGeometry) -> 
         return "its codes carry a zero point (asymmetric), which pad-global does not move"
     if scheme.strategy not in ("group", "channel", "tensor"):
         return f"its {scheme.strategy} scales are not a grid pad-global moves"
-    if module == "o_proj" and scheme.strategy == "group" and (layer.head_dim // 2) % int(scheme.group_size or 1):
-        return (f"its groups of {scheme.group_size} input columns straddle two halves of a {layer.head_dim}-wide "
-                f"head, so a padded group would mix two source groups")
+    group, width = int(scheme.group_size or 1), layer.head_dim
+    if module == "o_proj" and scheme.strategy == "group" and (width // 2) % group:
+        if group > width:  # one group holds several whole heads, and pad-global pads each head apart
+            heads = f"{group // width}" if group % width == 0 else f"{group / width:.2f}"
+            return (f"its groups of {group} input columns span {heads} heads of {width} columns each, and pad-global "
+                    f"pads every head, so a padded group would mix heads with padding")
+        return (f"its groups of {group} input columns straddle two halves of a {width}-wide head, so a padded group "
+                f"would mix two source groups")
     return None
 
 
