@@ -113,7 +113,8 @@ UNIFIED_FAMILY = "gemma4_unified"  # the 12B's target model_type; its assistant'
 
 def pair_notes(target: ModelSpec, assistant: ModelSpec) -> tuple[str, ...]:
     """What the consumers do with a pair whose assistant differs from its target in what vLLM shares between them
-    (the draft's positions and the cache its sliding layers read) or in family (docs/DESIGN.md, "Pairs that differ from their target")."""
+    (the draft's positions and the cache its sliding layers read) or in family (docs/DESIGN.md, "Pairs that differ
+    from their target")."""
     notes = []
     draft_positions, positions = assistant.max_position_embeddings, target.max_position_embeddings
     if draft_positions is not None and positions is not None and draft_positions < positions:

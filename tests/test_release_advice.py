@@ -179,3 +179,19 @@ def test_where_no_row_answers_the_rules_do_and_say_predicted(originals, run_cli,
     assert forced.code == 0 and "layout per-layer: " in forced.out
     nothing = json.loads(run_cli("inspect", target, "--serving", "vllm==0.20.0", "--json").out)["recommendation"]
     assert nothing["layout"] is None and nothing["basis"] is None  # neither rows nor rules answer before 0.21
+
+
+def test_a_release_without_rows_is_never_called_proven_or_chosen_by_the_ledger(originals, tmp_path, run_cli):
+    """Issue 53: vLLM 0.34.0 has no row; the answer is a prediction, and every word says so."""
+    unseen = "0.34.0"
+    assert unseen not in {row.vllm for row in load_ledger()}
+    source = originals["31b-mm-2shards"]
+    rec = json.loads(run_cli("inspect", source / "target", "--serving", f"vllm=={unseen}", "--json").out)
+    environment = rec["recommendation"]["environment"]
+    assert environment["tested"] is False and environment["proven_release"] is None
+    assert rec["recommendation"]["basis"] == "predicted"
+    result = run_cli("convert", "--target", source / "target", "--assistant", source / "assistant", "--out",
+                     tmp_path / "out", "--serving", f"vllm=={unseen}", "--layout", "pad-global", "--dry-run")
+    assert result.code == 0, result.err
+    assert "the ledger chooses" not in result.out
+    assert f"note: for vLLM {unseen} per-layer: predicted from the rules" in result.out

@@ -271,7 +271,7 @@ class Decision:
     requires: str | None = None  # no environment given: the releases the layout is measured serving on
     no_conversion_needed_when: str | None = None  # no environment given: where the source serves as it is
     env: ServingEnv | None = None  # the environment asked about
-    proven_release: str | None = None  # the ledger release that stands for env (0.22.0 -> 0.22.1)
+    proven_release: str | None = None  # the ledger release that stands for env (0.22.0 -> 0.22.1); None: no row
     outcome: Verdict | None = None  # the checkpoint as it is in env
     tested: bool = False  # the ledger has rows of env itself
     evidence: tuple[str, ...] = ()  # the rows the answer rests on, or the nearest proven ones
@@ -317,7 +317,8 @@ def _decide_for(shape: Shape, asked: ServingEnv) -> Decision:
     patch = f" (vLLM {asked.vllm} itself is not in the ledger; {env.vllm} is the proven release of its minor)" \
         if env.vllm != asked.vllm else ""
     now, found = measured(shape, env)
-    where = {"env": asked, "proven_release": env.vllm, "outcome": now, "tested": found.proven,
+    where = {"env": asked, "proven_release": env.vllm if found.proven else None, "outcome": now,
+             "tested": found.proven,
              "evidence": tuple(describe_rows(found.rows or found.nearest))}
     candidates = _candidates(shape)
     if now.outcome == "loads":

@@ -162,7 +162,8 @@ def _print_prepared(ready: PreparedConversion) -> None:
                 job.serving.beside_tool else ""
             click.echo(f"chosen: --layout {decision.writes_why}{found}")
         elif job.serving is not None and decision.writes != job.layout:
-            click.echo(f"note: for {job.serving.label()} the ledger chooses {decision.writes_why}")
+            chooses = "the ledger chooses " if decision.tested and decision.basis == MEASURED else ""  # else it says
+            click.echo(f"note: for {job.serving.label()} {chooses}{decision.writes_why}")  # "predicted" itself
         if decision.serves_as_is:
             click.echo(f"note: {decision.serves_as_is}; converting anyway")
     _print_plan(ready.plan, dry_run=job.dry_run, names=ready.names)
