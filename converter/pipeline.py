@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .advice.pitfalls import serving_pitfalls
 from .advice.serving import NO_CONVERSION, Decision, ServingEnv, decide, serving_notes, shape_of
 from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UnsupportedLayoutError, UsageError
@@ -146,6 +147,8 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     check_roles(checkpoints, {role: str(c.path) for role, c in checkpoints.items()})
     for checkpoint in checkpoints.values():
         layout.admit(checkpoint)  # validate -> pair -> plan: inspect's first problem is convert's refusal
+        if checkpoint.spec.role == ROLE_ASSISTANT:  # said before writing, as inspect says it (a quantized draft)
+            warnings.extend(serving_pitfalls(checkpoint.config, checkpoint.spec))
     pair = None
     if ROLE_TARGET in checkpoints and ROLE_ASSISTANT in checkpoints:
         pair = check_pair(checkpoints[ROLE_TARGET].spec, checkpoints[ROLE_ASSISTANT].spec)

@@ -45,6 +45,12 @@ def test_a_quantized_assistant_is_a_warning(tmp_path, run_cli):
     assert len(warnings) == 1 and "accepts ~0 %" in warnings[0] and "#47091" in warnings[0]
     text = run_cli("inspect", path)
     assert text.code == 0 and "WARNING: the assistant is quantized (compressed-tensors)" in text.out
+    # convert says it too, before writing (issue 53), beside a bf16 target and alone
+    target = write_checkpoint(tmp_path / "target", preset=tiny_preset("31b"), role="target")
+    for sources in (("--target", target, "--assistant", path), (path,)):
+        converted = run_cli("convert", *sources, "--out", tmp_path / "out", "--dry-run")
+        assert converted.code == 0, converted.err
+        assert f"WARNING: {warnings[0]}" in converted.err.splitlines()
 
 
 def test_a_hand_edited_num_kv_shared_layers_is_a_warning(source, tmp_path, run_cli):
