@@ -128,8 +128,9 @@ NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
 
 @pytest.mark.parametrize("config, words", [
     (GROUPED_FP8, "float8 group 128 (float-quantized); its scale groups would straddle original and padding"),
-    (INT4_GROUP, "o_proj is quantized as int4 group 128 (pack-quantized); its groups of 128 input columns straddle "
-                 "two halves of a 16-wide head"),
+    # a group of 128 over 16-wide heads spans 8 of them (issue 53: this said "straddle two halves of a head")
+    (INT4_GROUP, "o_proj is quantized as int4 group 128 (pack-quantized); its groups of 128 input columns span "
+                 "8 heads of 16 columns each"),
     (NVFP4, "float4 tensor_group 16 (nvfp4-pack-quantized)"),
     (BLOCK_UNTILED, "float8 block 24x8 (float-quantized); its 24-row scale blocks do not tile the 512 rows of "
                     "q_proj (32 heads x 16)"),
