@@ -28,8 +28,8 @@ from .pairing import PairReport, check_pair, misread_draft_name, serve_line
 from .parallel import tp_problems
 from .plan import CheckpointPlan, ShardPlan, index_document
 from .quantization import weights_per_element
-from .read.checkpoint import (CARD_NAME, check_roles, INDEX_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, Checkpoint, carried_side_files,
-                              read_checkpoint, sub_directories)
+from .read.checkpoint import (CARD_NAME, INDEX_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, Checkpoint, carried_side_files,
+                              check_roles, read_checkpoint, sub_directories)
 from .read.identity import identities, refuse_changed
 from .read.sequential import PendingSha256, hashing_ahead, known_sha256
 from .validate.attention import has_fused_qkv

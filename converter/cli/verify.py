@@ -51,9 +51,8 @@ def command(paths: tuple[Path, ...], target: LocalSource | None, assistant: Loca
     single, out = (paths[0], paths[1]) if paths else (None, converted)
     names = {role: source.repo_id or str(source.path) for role, source in
              ((Role.TARGET, target), (Role.ASSISTANT, assistant)) if source is not None}
-    if single is not None:
-        names[Role.SINGLE] = str(single)
     if single is not None:  # SRC may be a Hub repo id, fetched at one commit like --target/--assistant
+        names[Role.SINGLE] = str(single)
         single = resolve_cli_source(str(single), purpose="full", ctx=click.get_current_context()).path
     if out is None:
         raise UsageError("missing --converted DST")
