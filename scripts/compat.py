@@ -6,11 +6,13 @@ engine tests of every row, the `compat`-marked ones included, with each row reco
 every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md. Incremental by default: a row
 whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
 
-usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] [--case NAME ...] SPEC [SPEC ...]
+usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] [--case NAME ...] [--vllm X]
+                         SPEC [SPEC ...]
 --check install|consumer|engine|draft: run only that check's tests and replace only its rows (the others stay as the ledger
 has them).
 --case NAME: run only the rows of that case (cases.py SOURCES / ENGINE_SOURCES; repeatable) and replace only its
 rows: a new case joins the ledger without every env of the matrix (SPEC: the envs its rows run in).
+--vllm X: run only the rows of vLLM release X and replace only its rows (`make release VLLM=X`, scripts/release.py).
 exit: 0 ledger written; 1 a test failed or an env could not be built (the ledger is left as it was, and the rows
 that passed are kept in RESUME_FILE for `--resume`); 2 usage.
 """
@@ -34,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from converter.advice.compat import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, LEDGER_PATH,  # noqa: E402
                                      ledger_document, load_ledger,
                                      render_markdown, row_from_dict, with_release_table)
+from converter.testing.cases import RELEASES  # noqa: E402
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"
 README = REPO / "README.md"
@@ -58,14 +61,17 @@ def build_envs(specs: list[str]) -> tuple[list[str], float]:
 
 
 def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool, resume: Path | None,
-               tests: tuple[str, ...] = TESTS, cases: tuple[str, ...] = ()) -> int:
+               tests: tuple[str, ...] = TESTS, cases: tuple[str, ...] = (), vllm: str = "") -> int:
     env = dict(os.environ, GEMMA4_VLLM_PYTHONS=os.pathsep.join(pythons), GEMMA4_REQUIRE_VLLM="1",
                GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0",
                GEMMA4_LEDGER_RESUME=str(resume or ""))
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm_loader or vllm_engine",
            f"--junitxml={junit}", *tests]
-    if cases:  # test ids carry the case name (e.g. test_stock_vllm_load[26b-a4b-qat-q4_0-original-0.27.0-newest])
-        cmd += ["-k", " or ".join(cases)]
+    # test ids carry the case name and the vLLM release (e.g. test_stock_vllm_load[26b-a4b-qat-q4_0-original-0.27.0-newest])
+    keywords = [f"({' or '.join(cases)})"] if cases else []
+    keywords += [vllm] if vllm else []
+    if keywords:
+        cmd += ["-k", " and ".join(keywords)]
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
 
 
@@ -89,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only this check's tests; the ledger's other rows are kept as they are")
     parser.add_argument("--case", action="append", default=[], metavar="NAME",
                         help="run only this case's rows (repeatable); the ledger's other rows are kept as they are")
+    parser.add_argument("--vllm", default="", metavar="X",
+                        help="run only the rows of vLLM release X; the ledger's other rows are kept as they are")
     args = parser.parse_args(argv)
 
     started = time.monotonic()
@@ -98,13 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         rows_file.touch()
         code = run_matrix(pythons, rows_file, junit, reuse=not args.all or args.resume is not None,
                           resume=args.resume, tests=CHECK_TESTS[args.check] if args.check else TESTS,
-                          cases=tuple(args.case))
+                          cases=tuple(args.case), vllm=args.vllm)
         lines = [line for line in rows_file.read_text(encoding="utf-8").splitlines() if line.strip()]
         rows = [row_from_dict(json.loads(line), where=str(rows_file)) for line in lines]
         if args.check:
             rows = [r for r in load_ledger() if r.check != args.check] + [r for r in rows if r.check == args.check]
         if args.case:
             rows = [r for r in load_ledger() if r.case not in args.case] + [r for r in rows if r.case in args.case]
+        if args.vllm:
+            rows = [r for r in load_ledger() if r.vllm != args.vllm] + [r for r in rows if r.vllm == args.vllm]
         modules = module_seconds(junit) if junit.exists() else {}
     wall = time.monotonic() - started
     if args.timings:
@@ -117,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(rows)} rows that passed are in {RESUME_FILE}: fix, then `make compat COMPAT_ARGS='--resume "
               f"{RESUME_FILE}'` re-runs only the rest", file=sys.stderr)
         return 1
-    LEDGER_PATH.write_text(json.dumps(ledger_document(rows), indent=1) + "\n", encoding="utf-8")
+    releases = {release.vllm: release.transformers_range for release in RELEASES if release.transformers_range}
+    LEDGER_PATH.write_text(json.dumps(ledger_document(rows, releases), indent=1) + "\n", encoding="utf-8")
     DOC.write_text(render_markdown(rows), encoding="utf-8")
     README.write_text(with_release_table(README.read_text(encoding="utf-8"), rows), encoding="utf-8")
     fresh = sum(row.measured == datetime.date.today().isoformat() for row in rows)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from converter.advice.compat import CHECK_LOADER, PASS, load_ledger
+from converter.advice.ledger import release_requirements, version_key
 from converter.testing.cases import RELEASE_SOURCES, RELEASES, SOURCES, build_loader_case
 
 NO_CONVERSION = "none"
@@ -105,6 +106,23 @@ def test_a_malformed_serving_spec_is_one_line(originals, run_cli, spec, message)
     assert result.code == 2 and message in result.err and len(result.err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("release", RELEASES, ids=[r.vllm for r in RELEASES])
+def test_a_transformers_outside_the_releases_own_range_is_a_usage_error(originals, run_cli, release):
+    """Issue 53: vLLM 0.34.0 requires transformers >=5.16.1,<5.23.0; `--serving vllm==0.34.0,transformers==5.14.1`
+    names an env that cannot exist. The range is the one the ledger carries from the release's wheel metadata."""
+    assert release_requirements()[release.vllm] == release.transformers_range
+    target = originals["31b-mm-2shards"] / "target"
+    for measured in release.transformers:  # what the matrix ran it under lies inside
+        if measured != "newest":
+            assert run_cli("inspect", target, "--serving", f"vllm=={release.vllm},transformers=={measured}").code == 0
+    outside = {"0.34.0": "5.14.1", "0.33.0": "5.21.0", "0.31.0": "5.10.3", "0.21.0": "5.2.0"}.get(release.vllm)
+    if outside is None:
+        return
+    result = run_cli("inspect", target, "--serving", f"vllm=={release.vllm},transformers=={outside}")
+    assert result.code == 2 and len(result.err.strip().splitlines()) == 1, result.err
+    assert f"vLLM {release.vllm} requires transformers {release.transformers_range}" in result.err
+
+
 def test_serving_and_serving_python_are_exclusive(originals, run_cli, tmp_path):
     result = run_cli("inspect", originals["31b-mm-2shards"] / "target", "--serving", "vllm==0.27.0",
                      "--serving-python", tmp_path / "python")
@@ -182,8 +200,9 @@ def test_where_no_row_answers_the_rules_do_and_say_predicted(originals, run_cli,
 
 
 def test_a_release_without_rows_is_never_called_proven_or_chosen_by_the_ledger(originals, tmp_path, run_cli):
-    """Issue 53: vLLM 0.34.0 has no row; the answer is a prediction, and every word says so."""
-    unseen = "0.34.0"
+    """Issue 53: a release past the ledger's newest has no row; the answer is a prediction, and every word says so."""
+    newest = max((row.vllm for row in load_ledger() if row.vllm), key=version_key)
+    unseen = f"0.{version_key(newest)[1] + 1}.0"
     assert unseen not in {row.vllm for row in load_ledger()}
     source = originals["31b-mm-2shards"]
     rec = json.loads(run_cli("inspect", source / "target", "--serving", f"vllm=={unseen}", "--json").out)

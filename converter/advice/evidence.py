@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..gemma4 import RELEASED_KV_GEOMETRY
 from .ledger import CHECK_LOADER, PASS, LedgerRow, load_ledger, version_key
 
 NEAREST_SHOWN = 3
@@ -23,6 +24,9 @@ class Shape:
 
     form: str
     kv_heads: str
+    # (sliding KV heads, full KV heads, head-size ratio) of the source (AttentionConfig.kv_geometry): rows of another
+    # geometry do not speak for it; None: every geometry's rows do (a homogeneous checkpoint)
+    geometry: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,8 @@ class Evidence:
 
     rows: tuple[LedgerRow, ...]
     nearest: tuple[LedgerRow, ...]
+    # the ledger holds no row of the shape's geometry at all: `nearest` are rows of other geometries
+    other_geometry: bool = False
 
     @property
     def proven(self) -> bool:
@@ -55,10 +61,17 @@ def evidence(shape: Shape, vllm: str, transformers: str | None, rows: Iterable[L
     """The rows of `shape` measured with vLLM `vllm` (and `transformers`, or any transformers when None), and when
     there are none, the NEAREST_SHOWN nearest of that shape: the same release first, then the closest releases."""
     same = [r for r in serving_rows(rows) if (r.config_form, r.kv_heads) == (shape.form, shape.kv_heads)]
-    exact = tuple(r for r in same if r.vllm == vllm and (transformers is None or r.transformers == transformers))
+    own = [r for r in same if shape.geometry is None or row_geometry(r) == shape.geometry]
+    exact = tuple(r for r in own if r.vllm == vllm and (transformers is None or r.transformers == transformers))
     if exact:
         return Evidence(exact, ())
-    return Evidence((), tuple(sorted(same, key=lambda r: _distance(r, vllm, transformers))[:NEAREST_SHOWN]))
+    nearest = tuple(sorted(own or same, key=lambda r: _distance(r, vllm, transformers))[:NEAREST_SHOWN])
+    return Evidence((), nearest, other_geometry=bool(same) and not own)
+
+
+def row_geometry(row: LedgerRow) -> tuple[int, int, int] | None:
+    """The attention geometry of the published size a row's source stands for (its form's first word)."""
+    return RELEASED_KV_GEOMETRY.get(row.form.split(",", 1)[0].strip())
 
 
 def _distance(row: LedgerRow, vllm: str, transformers: str | None) -> tuple:

@@ -8,6 +8,7 @@ rebuilds every case and refuses a ledger whose digests no longer match (tests/te
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
@@ -28,6 +29,7 @@ CHECK_CONSUMER = "consumer"
 # consumer exposes compared with the original pair's in the same run (tests/test_consumer_llamacpp.py)
 CHECK_DRAFT = "draft"
 VLLM = "vllm"
+SCOPE_ASSISTANT = "quantized-assistant"
 INSTALL_CASE, INSTALL_LAYOUT = "gemma4-convert", "tool"
 PASS, FAIL = "pass", "fail"
 # a cell of the matrix that cannot be measured here, with the measured reason in `detail` (a release with no
@@ -65,7 +67,8 @@ class LedgerRow:
     kv_heads: str = ""
     # "pair": the row stands for a published checkpoint in this form; "draft": only the draft was proven (the
     # synthetic target lacks tensors published ones carry), so it says nothing about serving the target; "ranks":
-    # vLLM's layers and loaders built as every rank of TP `tp` (scripts/consumers/vllm/tp_check.py), summed over ranks
+    # vLLM's layers and loaders built as every rank of TP `tp` (scripts/consumers/vllm/tp_check.py), summed over ranks;
+    # SCOPE_ASSISTANT: what the row's quantized assistant does beside its target (advice/pitfalls.py quotes it)
     scope: str = "pair"
     consumer: str = VLLM  # who loads the checked pair: "vllm", "transformers", ...
     consumer_version: str = ""  # that consumer's release (a vLLM row: its vLLM release)
@@ -133,9 +136,29 @@ def sorted_rows(rows: Iterable[LedgerRow]) -> list[LedgerRow]:
                                        r.tp, r.dtype))
 
 
-def ledger_document(rows: Iterable[LedgerRow]) -> dict[str, Any]:
-    """The JSON document of a ledger, rows in sorted_rows order."""
-    return {"version": LEDGER_VERSION, "rows": [asdict(r) for r in sorted_rows(rows)]}
+def ledger_document(rows: Iterable[LedgerRow], releases: dict[str, str] | None = None) -> dict[str, Any]:
+    """The JSON document of a ledger, rows in sorted_rows order; `releases`: vLLM release -> the transformers
+    specifier its own wheel requires (what the matrix measured it under lies inside it)."""
+    document: dict[str, Any] = {"version": LEDGER_VERSION, "rows": [asdict(r) for r in sorted_rows(rows)]}
+    if releases:
+        document["releases"] = {vllm: {"transformers": spec} for vllm, spec in sorted(
+            releases.items(), key=lambda item: version_key(item[0]))}
+    return document
+
+
+@functools.lru_cache(maxsize=4)
+def release_requirements(path: Path = LEDGER_PATH) -> dict[str, str]:
+    """vLLM release -> the transformers specifier its own wheel requires, for the releases of the matrix (empty
+    where the ledger holds none)."""
+    if not path.is_file():
+        return {}
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not a readable ledger ({exc})") from exc
+    releases = document.get("releases") if isinstance(document, dict) else None
+    return {vllm: entry["transformers"] for vllm, entry in (releases or {}).items()
+            if isinstance(entry, dict) and isinstance(entry.get("transformers"), str)}
 
 
 def version_key(version: str) -> tuple[int, ...]:

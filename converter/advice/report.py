@@ -21,7 +21,7 @@ from ..read.checkpoint import MANIFEST_NAME, Checkpoint
 from ..validate import (AttentionTensor, attention_problems, checkpoint_problems, expected_shape,
                         find_attention_tensors)
 from .consumers import drafting_proofs
-from .pitfalls import serving_pitfalls
+from .pitfalls import q4_0_grid_notes, serving_pitfalls
 from .serving import (KV_MIXED, VLLM_027_OLD, ServingEnv, measured, predict, recommend, releases_where, shape_of,
                       vllm_027_new)
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
@@ -60,7 +60,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = N
         "geometry": _geometry(spec),
         "layers": _layers(spec, attention_tensors),
         "problems": problems,
-        "warnings": serving_pitfalls(checkpoint.config, spec),
+        "warnings": serving_pitfalls(checkpoint.config, spec) + q4_0_grid_notes(checkpoint),
         "shards": [{"file": s.file.name, "tensors": len(s.tensors), "bytes": s.size} for s in checkpoint.shards],
         "dtypes": dict(Counter(ref.dtype for ref in checkpoint.tensors.values())),
         "tensor_count": len(checkpoint.tensors),

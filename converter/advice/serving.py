@@ -19,10 +19,10 @@ from typing import Any
 from ..cost import kv_costs
 from ..errors import UsageError
 from ..gemma4 import (DIALECT_LEGACY, FORM_DUAL_KEYS, FORM_FLAT, FORM_FUSED, FORM_HOMOGENEOUS, FORM_PER_LAYER_CONFIG,
-                      KV_MIXED, KV_UNIFORM, ModelSpec)
+                      KV_MIXED, KV_UNIFORM, ModelSpec, describe_kv_geometry)
 from ..layouts import Layout, get_layout, layouts_in_preference
-from .ledger import CHECK_LOADER, PASS, load_ledger, version_key
-from .evidence import Evidence, Shape, describe_rows, evidence, serving_rows
+from .ledger import CHECK_LOADER, PASS, load_ledger, release_requirements, version_key
+from .evidence import Evidence, Shape, describe_rows, evidence, row_geometry, serving_rows
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
@@ -35,13 +35,6 @@ KV_SHARING = "kv_sharing"  # the draft's KV geometry differs from the target lay
 
 
 @functools.lru_cache(maxsize=1)
-def tested_releases() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(vLLM releases, transformers releases) the ledger's stock-loader rows ran, oldest first (compat.py)."""
-    rows = [r for r in load_ledger() if r.check == CHECK_LOADER]
-    return (tuple(sorted({r.vllm for r in rows}, key=version_key)),
-            tuple(sorted({r.transformers for r in rows}, key=version_key)))
-
-
 @dataclass(frozen=True)
 class ServingEnv:
     """The versions vLLM runs with: read from the serving python (`--serving-python`) or declared (`--serving`);
@@ -77,7 +70,33 @@ def parse_serving(spec: str) -> ServingEnv:
         found["vllm" if name.startswith("vllm") else name] = version.strip()
     if "vllm" not in found:
         raise UsageError(f"--serving {spec!r}: names no vllm==VERSION (e.g. --serving vllm==0.27.0)")
+    required = release_requirements().get(found["vllm"])
+    if "transformers" in found and required and not satisfies(found["transformers"], required):
+        raise UsageError(f"--serving {spec!r}: vLLM {found['vllm']} requires transformers {required} (its own "
+                         f"Requires-Dist), so no env of it has {found['transformers']}; name a transformers in that range "
+                         "or leave it out")
     return ServingEnv(vllm=found["vllm"], transformers=found.get("transformers"))
+
+
+def satisfies(version: str, specifier: str) -> bool:
+    """Whether `version` meets a PEP 440 specifier of plain releases ('<5.23.0,>=5.16.1', '!=5.0.*,>=4.56.0')."""
+    have = version_key(version)
+    for clause in (c.strip() for c in specifier.split(",") if c.strip()):
+        operator, bound = re.match(r"(==|!=|>=|<=|~=|>|<)\s*(.+)", clause).groups()
+        if bound.endswith(".*"):  # a prefix match: 5.0.* holds every 5.0.x
+            prefix = version_key(bound[:-2])
+            matched = have[:len(prefix)] == prefix
+            if matched != (operator == "=="):
+                return False
+            continue
+        want = version_key(bound)
+        width = max(len(have), len(want))
+        a, b = have + (0,) * (width - len(have)), want + (0,) * (width - len(want))
+        held = {"==": a == b, "!=": a != b, ">=": a >= b, "<=": a <= b, ">": a > b, "<": a < b,
+                "~=": a >= b and a[:len(want) - 1] == b[:len(want) - 1]}[operator]
+        if not held:
+            return False
+    return True
 
 
 # Representative environments for the two transformers generations vLLM 0.27 meets (inspect without --serving).
@@ -158,7 +177,8 @@ def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verd
 
 def shape_of(spec: ModelSpec, *, fused: bool) -> Shape:
     """How the ledger matches this checkpoint (advice/evidence.py)."""
-    return Shape(config_form(spec, fused=fused), KV_MIXED if spec.attention.mixed_kv_heads else KV_UNIFORM)
+    return Shape(config_form(spec, fused=fused), KV_MIXED if spec.attention.mixed_kv_heads else KV_UNIFORM,
+                 spec.attention.kv_geometry)
 
 
 def measured(shape: Shape, env: ServingEnv) -> tuple[Verdict, Evidence]:
@@ -178,6 +198,8 @@ def measured(shape: Shape, env: ServingEnv) -> tuple[Verdict, Evidence]:
                        f"{first.transformers}: {cause}"), found
     expected = predict(shape.form, env, mixed_kv_heads=shape.kv_heads == KV_MIXED) if env.transformers else None
     nearest = "; ".join(describe_rows(found.nearest)) or "none of this form"
+    if found.other_geometry:
+        nearest = f"no row of this geometry ({describe_kv_geometry(shape.geometry)}); of others: {nearest}"
     return Verdict("unknown", None, f"not proven with {env.label()} (nearest proven: {nearest})"
                    + (f"; expected from the rules: {expected.outcome}" if expected else "")), found
 
@@ -290,7 +312,7 @@ def decide(shape: Shape, env: ServingEnv | None) -> Decision:
 
 def _candidates(shape: Shape) -> list[tuple[Layout, Shape]]:
     """Each layout, cheapest first, with the shape its output has."""
-    return [(layout, Shape(*layout.ledger_shape(shape.kv_heads))) for layout in layouts_in_preference()]
+    return [(layout, Shape(*layout.ledger_shape(shape.kv_heads), shape.geometry)) for layout in layouts_in_preference()]
 
 
 def _decide_default(shape: Shape) -> Decision:
@@ -305,7 +327,7 @@ def _decide_default(shape: Shape) -> Decision:
     serves, fails = releases_where(after)
     return Decision(
         default.name, default.advice_why, MEASURED if serves else None, bool(serves), default.name, writes_why,
-        alternative=Alternative(fallback.name, _fallback_when(default, fails)) if fallback else None,
+        alternative=Alternative(fallback.name, _fallback_when(default, (serves, fails))) if fallback else None,
         requires=f"vLLM {', '.join(serves) or '(none measured)'} under every transformers measured"
                  + (f"; not vLLM {', '.join(fails)}: {fallback.name} there" if fails and fallback else ""),
         no_conversion_needed_when=("vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
@@ -342,7 +364,7 @@ def _decide_for(shape: Shape, asked: ServingEnv) -> Decision:
                 layout.name, f"with {env.label()}{patch} the checkpoint as it is {as_it_is}: {now.detail}; "
                 f"{layout.advice_why} ({verdict.detail})", MEASURED, proven_only, layout.name,
                 _explain(layout, candidates, env) + other_transformers,
-                alternative=Alternative(following.name, _fallback_when(layout, releases_where(after)[1]))
+                alternative=Alternative(following.name, _fallback_when(layout, releases_where(after)))
                 if following else None, **where)
     predicted = [(layout, [predict(after.form, generation, mixed_kv_heads=after.kv_heads == KV_MIXED)
                            for generation in _generations(env)]) for layout, after in candidates]
@@ -397,12 +419,17 @@ def _explain(layout: Layout, candidates: list[tuple[Layout, Shape]], env: Servin
     return f"{layout.name}: {'; '.join(reasons)}; {layout.name} serves there (measured: {_count(found.rows)} pass)"
 
 
-def _fallback_when(layout: Layout, fails: list[str]) -> str:
-    """Where the next layout is needed: where `layout` is measured failing."""
+def _fallback_when(layout: Layout, where: tuple[list[str], list[str]]) -> str:
+    """Where the next layout is needed: where `layout` is measured failing. where: releases_where of its output
+    (the releases measured on this very shape and geometry, serving and failing)."""
+    serves, fails = where
     if fails:
         return (f"where {layout.name} cannot serve: vLLM {', '.join(fails)} (measured; check yours with "
                 "inspect --serving vllm==VERSION)")
-    vllm, _ = tested_releases()
+    if not serves:
+        return (f"only where {layout.name} cannot serve: no ledger row measures {layout.name} on this form and "
+                "geometry (check yours with make vllm-check TARGET=... ASSISTANT=...)")
+    vllm = sorted(serves, key=version_key)
     caveat = f"; {layout.caveat}" if layout.caveat else ""
     return (f"only where {layout.name} cannot serve: none measured among vLLM {', '.join(vllm)}{caveat} (check with "
             "inspect --serving)")
@@ -497,7 +524,8 @@ def releases_where(shape: Shape) -> tuple[list[str], list[str]]:
     """(releases where `shape` loads under every transformers measured, releases where some row fails)."""
     by_release: dict[str, list] = {}
     for row in serving_rows():
-        if (row.config_form, row.kv_heads) == (shape.form, shape.kv_heads):
+        if (row.config_form, row.kv_heads) == (shape.form, shape.kv_heads) and \
+                shape.geometry in (None, row_geometry(row)):
             by_release.setdefault(row.vllm, []).append(row.verdict == PASS)
     ordered = sorted(by_release, key=version_key)
     return [v for v in ordered if all(by_release[v])], [v for v in ordered if not all(by_release[v])]

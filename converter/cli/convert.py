@@ -115,10 +115,15 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
         click.echo("dry run: nothing written")
         return
     click.echo(f"wrote {out} ({human_bytes(ready.plan.output_bytes)} of tensors{_made_summary(result)})")
+    refusal = ready.assistant_refusal
+    if refusal:  # a line that cannot serve is not printed
+        click.echo(f"no serve line: {refusal}; serve the bf16 assistant beside the target instead")
+        return
     click.echo(_serve_heading(ready))
     if flat_keys_only:
         click.echo("  (--flat-keys-only needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
     click.echo(f"  {serve_command(ready.plan)}")
+
 
 
 def _serve_heading(ready: PreparedConversion) -> str:
@@ -141,6 +146,10 @@ def _print_serves_as_it_is(ready: PreparedConversion) -> None:
     if ready.paired_assistant:
         repo_id, target = ready.paired_assistant
         click.echo(f"assistant: {repo_id} (published beside {target})")
+    refusal = ready.assistant_refusal
+    if refusal:
+        click.echo(f"no serve line: {refusal}; serve the bf16 assistant beside the target instead")
+        return
     if decision.tested and decision.basis == MEASURED:
         click.echo(f"serve it as it is with stock {serving.label()}:")
     else:

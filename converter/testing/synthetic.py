@@ -80,13 +80,17 @@ PRESETS: dict[str, Preset] = {
     "26b-a4b": Preset("26b-a4b", 2816, 2112, (S,) * 5 + (F,), 16, 8, 2, 256, 512, True, 262144, 1024, 0, 0, True,
                       AssistantShape(1024, 8192, (S, S, S, F), False),
                       num_experts=128, top_k_experts=8, moe_intermediate_size=704),
+    # Gemma 4 12B (gemma4_unified): 48 layers, 16 heads, sliding 8 KV x 256, full 1 KV x 512, k_eq_v (read: sglang's
+    # gemma4_unified config fixture quoting google/gemma-4-12B-it); hidden / MLP widths not read: Gemma 3 12B's
+    "12b": Preset("12b", 3840, 15360, (S,) * 5 + (F,), 16, 8, 1, 256, 512, True, 262144, 1024, 0, 0, False,
+                  AssistantShape(1024, 8192, (S, S, S, F), False)),
     "e2b": Preset("e2b", 1536, 6144, (S,) * 4 + (F,), 8, 1, 1, 256, 512, False, 262144, 512, 20, 256, False,
                   AssistantShape(256, 2048, (S, S, S, F), True)),
     "e4b": Preset("e4b", 2560, 10240, (S,) * 5 + (F,), 8, 2, 2, 256, 512, False, 262144, 512, 18, 256, False,
                   AssistantShape(256, 2048, (S, S, S, F), True)),
 }
 # Real decoder layer counts; a preset's layer_types above hold one period of the pattern.
-REAL_LAYERS = {"31b": 60, "26b-a4b": 30, "e2b": 35, "e4b": 42}
+REAL_LAYERS = {"31b": 60, "26b-a4b": 30, "12b": 48, "e2b": 35, "e4b": 42}
 
 
 def _pattern(period: tuple[str, ...], count: int) -> tuple[str, ...]:
@@ -715,8 +719,10 @@ def write_checkpoint(out_dir: str | Path, *, preset: Preset | str, role: str, di
 def write_pair(out_dir: str | Path, *, preset: Preset | str, dialect: str = "legacy", fused_qkv: bool = False,
                num_shards: int = 1, multimodal: bool = True, dtype: torch.dtype = torch.bfloat16,
                seed: int = 0, quantization: dict | None = None, saved_by: str | None = None,
-               unified: bool = False) -> tuple[Path, Path]:
-    """Writes out_dir/target and out_dir/assistant sharing one preset (quantization: target only); returns both.
+               unified: bool = False, assistant_quantization: dict | None = None) -> tuple[Path, Path]:
+    """Writes out_dir/target and out_dir/assistant sharing one preset (quantization: the target's;
+    assistant_quantization: the assistant's decoder projections, as community quantized assistants have it, its
+    pre/post projections bf16); returns both.
 
     Both configs go through one re-save (one process when saved_by names another interpreter). unified: the
     gemma4_unified / gemma4_unified_assistant family instead of gemma4 / gemma4_assistant.
@@ -731,7 +737,7 @@ def write_pair(out_dir: str | Path, *, preset: Preset | str, dialect: str = "leg
     target = _write_directory(out / "target", configs["target"], target_parts[1], num_shards=num_shards,
                               dtype=dtype, seed=seed, quantization=quantization)
     assistant = _write_directory(out / "assistant", configs["assistant"], assistant_parts[1], num_shards=1,
-                                 dtype=dtype, seed=seed + 1, quantization=None)
+                                 dtype=dtype, seed=seed + 1, quantization=assistant_quantization)
     return target, assistant
 
 
@@ -861,6 +867,19 @@ def on_q4_0_grid(weight: torch.Tensor) -> torch.Tensor:
     values = weight.float().numpy()
     return torch.from_numpy(dequantize(quantize(values, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
                             .reshape(values.shape).copy())
+
+
+# What a QAT repo's assistant config carries beside the others' (google/gemma-4-*-it-qat-q4_0-unquantized-assistant,
+# read): the token ids at the top level, eos both <eos> and <end_of_turn>
+QAT_ASSISTANT_TOKEN_IDS = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}
+
+
+def as_qat_assistant(assistant_dir: str | Path) -> None:
+    """The assistant's config.json as the QAT repos publish it (QAT_ASSISTANT_TOKEN_IDS at the top level)."""
+    path = Path(assistant_dir) / "config.json"
+    config = json.loads(path.read_text())
+    config.update(QAT_ASSISTANT_TOKEN_IDS)
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def snap_to_q4_0_grid(target_dir: str | Path) -> list[str]:

