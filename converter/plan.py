@@ -21,6 +21,11 @@ ACTION_KEPT = "kept"
 ACTION_SPLIT = "split"
 
 
+# The transforms (transforms.py) that spread a weight's input columns with zeros between: a block of 32 output columns
+# then holds half of a source block and zeros, so a weight on ggml's Q4_0 grid (QAT) leaves it (advice/pitfalls.py)
+SPREADS_INPUT_COLUMNS = frozenset({"pad_head_columns", "pad_packed_columns"})
+
+
 @dataclass(frozen=True)
 class TensorPlan:
     """One output tensor: its name, dtype, shape and how it is produced from one source slice."""

@@ -211,10 +211,6 @@ def scale_weight_shape(weight: torch.Tensor, *, rows: int = 1, columns: int = 1,
     return weight * torch.tensor([rows, columns], dtype=weight.dtype)
 
 
-# The transforms that spread a weight's input columns with zeros between: a block of 32 output columns then holds
-# half of a source block and zeros, so a weight on ggml's Q4_0 grid (QAT) leaves it (advice/pitfalls.py)
-SPREADS_INPUT_COLUMNS = frozenset({"pad_head_columns", "pad_packed_columns"})
-
 TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
     "pad_head_rows": pad_head_rows,
     "pad_head_norm": pad_head_norm,

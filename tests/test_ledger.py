@@ -17,6 +17,7 @@ import pytest
 from converter.advice.compat import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE,
                                      INSTALL_LAYOUT, LEDGER_PATH, NOT_RUN, PASS, VLLM, LedgerRow, load_ledger,
                                      render_markdown, render_table, stale_rows, version_key, with_release_table)
+from converter.advice.ledger import SCOPE_ASSISTANT
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
 from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DRAFT_CONTROLS,
@@ -203,7 +204,8 @@ def test_every_loader_row_says_what_inspect_matches_it_by(ledger):
     per-rank rows (TP > 1, scope "ranks": tests/test_tp_ranks.py) prove sharding, not serving, and inspect skips
     them."""
     loader = [r for r in ledger if r.check == CHECK_LOADER and r.tp == 1]
-    assert all(r.config_form and r.kv_heads in ("mixed", "uniform") and r.scope in ("pair", "draft") for r in loader)
+    assert all(r.config_form and r.kv_heads in ("mixed", "uniform") and r.scope in ("pair", "draft", SCOPE_ASSISTANT)
+               for r in loader)
     ranks = [r for r in ledger if r.check == CHECK_LOADER and r.tp > 1]
     assert ranks and all(r.scope == "ranks" for r in ranks)
 

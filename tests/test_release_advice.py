@@ -140,7 +140,7 @@ def hub_column_oracle(vllm: str, kv_heads: str) -> str | None:
     """From the raw rows, independently of advice/: among the loader cases whose original has a Hub checkpoint's
     config (flat keys) and this KV-head pattern, the first variant whose every row on `vllm` passed."""
     rows = [r for r in load_ledger() if r.check == CHECK_LOADER and r.vllm == vllm and r.tp == 1
-            and r.consumer == "vllm"]
+            and r.consumer == "vllm" and r.scope == "pair"]  # a quantized assistant's rows do not speak for the target
     cases = {r.case for r in rows if r.layout == "original" and r.kv_heads == kv_heads and r.config_form == "flat-keys"}
     for variant in ("original", "per-layer", "pad-global"):
         got = [r for r in rows if r.case in cases and f"{r.layout} {r.options}".strip() == variant]

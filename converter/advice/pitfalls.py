@@ -16,7 +16,7 @@ from ..gemma4 import ASSISTANT_MODEL_TYPES, ROLE_ASSISTANT, ROLE_TARGET, ModelSp
 from ..layouts import layouts_in_preference
 from .ledger import FAIL, SCOPE_ASSISTANT, load_ledger, version_key
 from ..read.checkpoint import Checkpoint
-from ..transforms import SPREADS_INPUT_COLUMNS
+from ..plan import SPREADS_INPUT_COLUMNS
 from ..validate.attention import find_attention_tensors
 from ..validate.q4_0_grid import sits_on_q4_0_grid
 

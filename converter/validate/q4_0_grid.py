@@ -8,30 +8,30 @@ blocks mix values of two source blocks with zeros (pad-global's spread o_proj co
 
 from __future__ import annotations
 
-import torch
-
 from ..gemma4 import FULL
 from ..read.checkpoint import Checkpoint
-from ..read.safetensors_header import DTYPES
 from ..read.tensor_reader import read_range
 
 Q4_0_BLOCK = 32
 Q4_0_LEVELS = 16
 SAMPLED_ROWS = 4
-_FLOATS = ("BF16", "F16", "F32")
+_WORD_OF = {"BF16": "H", "F16": "H", "F32": "I"}  # the stored element as an unsigned word
 
 
 def sits_on_q4_0_grid(checkpoint: Checkpoint) -> bool:
     """True when the first rows of one sliding layer's o_proj hold at most 16 distinct values in every block of 32
-    input columns (and not all blocks a single value): the QAT checkpoints' signature."""
+    input columns (and not all blocks a single value): the QAT checkpoints' signature. False where the weights
+    are not on disk (a Hub source planned from its headers: nothing is downloaded to tell)."""
     ref = _sampled_o_proj(checkpoint)
-    if ref is None:
+    if ref is None or not ref.file.is_file():  # a Hub source read from its headers alone: its weights are not here
         return False
     rows = min(SAMPLED_ROWS, ref.shape[0])
-    raw = read_range(ref.file, ref.offset, rows * ref.nbytes // ref.shape[0])
-    values = torch.frombuffer(raw, dtype=getattr(torch, DTYPES[ref.dtype][0])).reshape(rows, -1, Q4_0_BLOCK)
-    distinct = torch.tensor([len(torch.unique(block)) for block in values.reshape(-1, Q4_0_BLOCK)])
-    return bool((distinct <= Q4_0_LEVELS).all() and (distinct > 1).any())
+    raw = memoryview(read_range(ref.file, ref.offset, rows * ref.nbytes // ref.shape[0]))
+    # distinct stored bit patterns are distinct values (a block's zeros share one sign: one scale per block); no
+    # torch: inspect, a light verb, runs this
+    words = raw.cast(_WORD_OF[ref.dtype])
+    blocks = [len(set(words[i:i + Q4_0_BLOCK])) for i in range(0, len(words), Q4_0_BLOCK)]
+    return all(count <= Q4_0_LEVELS for count in blocks) and any(count > 1 for count in blocks)
 
 
 def _sampled_o_proj(checkpoint: Checkpoint):
@@ -44,6 +44,6 @@ def _sampled_o_proj(checkpoint: Checkpoint):
         return None
     name = f"{spec.weight_prefix}layers.{sliding}.self_attn.o_proj.weight"
     ref = checkpoint.tensors.get(name)
-    if ref is None or ref.dtype not in _FLOATS or len(ref.shape) != 2 or ref.shape[1] % Q4_0_BLOCK:
+    if ref is None or ref.dtype not in _WORD_OF or len(ref.shape) != 2 or ref.shape[1] % Q4_0_BLOCK:
         return None
     return ref
