@@ -15,7 +15,7 @@ from .evidence import Shape
 from .serving import NO_CONVERSION, ServingEnv, decide
 from .ledger import (  # noqa: F401  (the rows, re-exported for scripts/ and tests/)
     CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE, INSTALL_LAYOUT,
-    LEDGER_PATH, LEDGER_VERSION, LOADER_CASE_CONSUMERS, ORIGINAL, LedgerRow, NOT_RUN, PASS,
+    LEDGER_PATH, LEDGER_VERSION, LOADER_CASE_CONSUMERS, ORIGINAL, LedgerRow, NOT_RUN, PASS, SCOPE_ASSISTANT,
     VERDICTS, VLLM, checks_loader_cases, ledger_document, load_ledger,
     row_from_dict, sorted_rows, stale_rows, version_key)
 
@@ -41,7 +41,9 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     """One line per vLLM release (TP 1): its package, whether torch was off its pin, the transformers measured,
     per variant the loader rows passed of run (with the first failure's stage), the engine rows, and the layout the
     measurements recommend for a checkpoint whose KV-head count is mixed (31B, 26B-A4B) and uniform (E2B)."""
-    rows = [r for r in rows if r.tp == 1 and r.consumer == VLLM]
+    # a quantized assistant's rows say what vLLM does with that draft, not with the layout: docs/COMPATIBILITY.md
+    # lists them among the rows
+    rows = [r for r in rows if r.tp == 1 and r.consumer == VLLM and r.scope != SCOPE_ASSISTANT]
     lines = []
     for vllm in sorted({r.vllm for r in rows}, key=version_key):
         mine = [r for r in rows if r.vllm == vllm]
