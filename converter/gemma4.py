@@ -2,7 +2,7 @@
 
 Geometry follows stock vLLM 0.27.0 (docs/DESIGN.md section 3): a full-attention layer uses
 `global_head_dim`, and `num_global_key_value_heads` KV heads when `attention_k_eq_v`; a sliding layer
-uses `head_dim` and `num_key_value_heads`. The transformers >= 5.15 dialect carries the full-layer
+uses `head_dim` and `num_key_value_heads`. The transformers >= PER_LAYER_TRANSFORMERS dialect carries the full-layer
 values in `per_layer_config` instead; when both are present transformers ignores the flat keys
 (`Gemma4TextConfig.__post_init__` only builds per_layer_config from them when it is absent).
 """
@@ -20,7 +20,8 @@ from .quantization import check_quantization_config, modelopt_from_hf_quant_conf
 # gemma4_unified (12B, encoder-free vision) is served by vLLM 0.27 as Gemma4UnifiedForConditionalGeneration, a subclass
 # of the gemma4 wrapper whose language model is the same Gemma4ForCausalLM (models/gemma4_unified.py), so its
 # attention reads the same flat keys; transformers keeps the same heterogeneous geometry (global_head_dim popped into
-# per_layer_config by configuration_gemma4_unified.py >= 5.15). Its assistant becomes gemma4_mtp like the others
+# per_layer_config by configuration_gemma4_unified.py >= PER_LAYER_TRANSFORMERS). Its assistant becomes gemma4_mtp like
+# the others
 # (vLLM 0.27.0 config/speculative.py:588; docs/DESIGN.md section 3).
 TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text", "gemma4_unified": "multimodal"}
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -53,7 +54,11 @@ DIALECT_BOTH = "both"
 
 # What a config looks like to a vLLM release (advice/serving.config_form decides it; each layout names its output's).
 FORM_FUSED = "fused-qkv"  # self_attn.qkv_proj tensors: vLLM 0.27 maps split q/k/v only
-FORM_PER_LAYER_CONFIG = "per-layer-config"  # config.json holds per_layer_config (transformers >= 5.15 dialect)
+# The first transformers release that writes `per_layer_config` and rebuilds it from the flat keys on load
+# (docs/DESIGN.md
+# section 7): every "transformers<X" / ">=X" the tool says is built from it
+PER_LAYER_TRANSFORMERS = "5.15"
+FORM_PER_LAYER_CONFIG = "per-layer-config"  # config.json holds per_layer_config (transformers >= PER_LAYER_TRANSFORMERS dialect)
 FORM_HOMOGENEOUS = "homogeneous"  # one head size and KV-head count everywhere
 FORM_DUAL_KEYS = "dual-keys"  # heterogeneous flat keys + the zero-cost dual keys
 FORM_FLAT = "flat-keys"  # heterogeneous flat keys only (the Hub checkpoints)
@@ -65,7 +70,8 @@ GEOMETRY_KEYS = ("head_dim", "global_head_dim", "num_key_value_heads", "num_glob
 _PER_LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
 
 # The config-only zero-cost recipe ("dual keys", docs/DESIGN.md section 7; pinned per transformers version by
-# tests/test_transformers_pins.py). transformers >= 5.15's Gemma4TextConfig.__post_init__ pops the LITERAL names
+# tests/test_transformers_pins.py). transformers >= PER_LAYER_TRANSFORMERS's Gemma4TextConfig.__post_init__ pops the
+# LITERAL names
 # `global_head_dim` / `num_global_key_value_heads` (it still builds its own per_layer_config from them, so its own
 # model keeps the right shapes); an `attribute_map` read from config.json becomes an instance attribute that shadows
 # the class one (empty for Gemma 4), and PreTrainedConfig.__getattribute__ resolves names through it, so vLLM's
@@ -347,7 +353,7 @@ def _read_attention(text: Mapping[str, Any], *, role: str, source: str) -> tuple
 
 def _read_per_layer_config(per_layer: Any, layer_types: tuple[str, ...], head_dim: int, num_kv: int,
                            source: str) -> tuple[int, int]:
-    """Full-layer (head_dim, kv heads) from a transformers >= 5.15 `per_layer_config`; sliding layers keep the base."""
+    """Full-layer (head_dim, kv heads) from a transformers >= PER_LAYER_TRANSFORMERS `per_layer_config`; sliding layers keep the base."""
     if not isinstance(per_layer, Mapping):
         raise InputError(f"{source}: `per_layer_config` must be an object keyed by layer index")
     overrides: dict[str, set[tuple[int, int]]] = {FULL: set(), SLIDING: set()}
@@ -438,7 +444,7 @@ def without_dual_keys(text: Mapping[str, Any]) -> dict[str, Any]:
 def has_dual_keys(text: Mapping[str, Any], *, source: str) -> bool:
     """True when `text` carries the complete dual keys; InputError when the aliases contradict the flat keys.
 
-    vLLM reads the aliases (through attribute_map, under every transformers version), transformers >= 5.15 the
+    vLLM reads the aliases (through attribute_map, under every transformers version), transformers >= PER_LAYER_TRANSFORMERS the
     literal keys: a mismatch would give the two different geometries.
     """
     mapping = text.get("attribute_map")
@@ -447,5 +453,6 @@ def has_dual_keys(text: Mapping[str, Any], *, source: str) -> bool:
     for name, alias in GLOBAL_ALIASES.items():
         if alias in text and name in text and text[alias] != text[name]:
             raise InputError(f"{source}: {alias} is {text[alias]!r} but {name} is {text[name]!r}; vLLM reads the "
-                             f"first (attribute_map), transformers >= 5.15 the second: make them equal")
+                             f"first (attribute_map), transformers >= {PER_LAYER_TRANSFORMERS} the second: make them "
+                             f"equal")
     return text.get(ALLOW_GLOBAL_ACCESS) is True and all(alias in text for alias in GLOBAL_ALIASES.values())

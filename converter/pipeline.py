@@ -254,7 +254,7 @@ def _check_free_space(out: Path, needed: int) -> None:
 
 def _refuse_reconversion(checkpoint: Checkpoint) -> None:
     """An output of this tool is converted again only when its config no longer is what its layout wrote (a config
-    re-saved by transformers >= 5.15): that conversion mends it; anything else would stack layouts."""
+    re-saved by transformers >= PER_LAYER_TRANSFORMERS): that conversion mends it; anything else would stack layouts."""
     manifest = checkpoint.manifest
     if manifest and manifest.get("tool") == "gemma4-convert" and _still_as_written(checkpoint, manifest):
         original = manifest.get("source", {}).get("path", "the original checkpoint")

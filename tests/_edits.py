@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from converter.gemma4 import text_config_of
 
 
 def _text_prefix(target: Path) -> tuple[dict, str]:
     config = json.loads((target / "config.json").read_text())
-    return config.get("text_config") or config, "model.language_model." if "text_config" in config else "model."
+    return text_config_of(config), "model.language_model." if "text_config" in config else "model."
 
 
 def edit_tensors(target: Path, names: list[str], edit) -> None:

@@ -31,6 +31,7 @@ from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.read.checkpoint import INDEX_NAME
 from converter.testing.synthetic import (fp8_quantization_config, modelopt_nvfp4_config, scaled_preset, tiny_preset,
                                          write_checkpoint)
+from converter.gemma4 import text_config_of
 
 EXIT_VERIFY, EXIT_USAGE, EXIT_INPUT, EXIT_OUTPUT = 1, 2, 3, 4
 SHARD1, SHARD2 = TARGET_SHARDS
@@ -49,16 +50,13 @@ def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
     path.write_text(json.dumps(document))
 
 
-def _text(config: dict) -> dict:
-    return config.get("text_config", config)
-
 
 def _single(p: Pair, layout: str = "per-layer") -> list[str]:
     return ["convert", str(p.target), "--out", str(p.out), "--layout", layout]
 
 
 def _set_text_key(p: Pair, key: str, value) -> None:
-    _edit_json(p.target / "config.json", lambda c: _text(c).__setitem__(key, value))
+    _edit_json(p.target / "config.json", lambda c: text_config_of(c).__setitem__(key, value))
 
 
 def _rewrite_shard(path: Path, edit: Callable[[dict, bytes], tuple[dict, bytes]]) -> None:

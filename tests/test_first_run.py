@@ -18,6 +18,7 @@ import pytest
 
 from converter.read.sequential import HASH_IN_CHILD_BYTES
 from converter.testing.synthetic import tiny_preset, write_pair
+from converter.gemma4 import text_config_of
 
 from _helpers_robustness import run_console_script
 
@@ -45,7 +46,7 @@ def test_the_pair_is_real_sized(real_sized):
     shards = sorted((real_sized / "my ckpt" / "target").glob("*.safetensors"))
     assert max(p.stat().st_size for p in shards) >= HASH_IN_CHILD_BYTES, [p.stat().st_size for p in shards]
     config = json.loads((real_sized / "my ckpt" / "target" / "config.json").read_text())
-    assert (config.get("text_config") or config)["vocab_size"] == REAL_VOCABULARY
+    assert text_config_of(config)["vocab_size"] == REAL_VOCABULARY
 
 
 @pytest.mark.parametrize("layout, target, assistant", [

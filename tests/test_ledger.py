@@ -28,6 +28,7 @@ from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CO
                                      ORIGINAL, QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RANK_ENV, RANK_SOURCES,
                                      RANK_TP_SIZES, RELEASES, SGLANG_DRAFT_SOURCES, SGLANG_RELEASES, SGLANG_SOURCES,
                                      TWIN_ENGINE_ROWS, build_loader_case, case_digests, engine_transformers, env_specs)
+from converter.gemma4 import text_config_of
 
 from _wheel import requirements_digest
 
@@ -161,7 +162,7 @@ def _flip_one_tensor_byte(checkpoint: Path) -> str:
 
 def _edit_config(checkpoint: Path) -> None:
     config = json.loads((checkpoint / "config.json").read_text())
-    text = config.get("text_config", config)
+    text = text_config_of(config)
     text["rms_norm_eps"] = text.get("rms_norm_eps", 1e-6) * 2
     (checkpoint / "config.json").write_text(json.dumps(config, indent=2))
 

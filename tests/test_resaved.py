@@ -19,6 +19,7 @@ from converter.proof.digest import tensor_digests
 from converter.read.checkpoint import MANIFEST_NAME, read_checkpoint
 from converter.testing.resave import resave_config
 from converter.testing.synthetic import tiny_preset, write_pair
+from converter.gemma4 import text_config_of
 
 GEOMETRY = ("head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads", "attention_k_eq_v",
             "layer_types", "allow_global_per_layer_attribute_access", "attribute_map")
@@ -39,14 +40,11 @@ def outputs(tmp_path_factory) -> tuple[Path, Path]:
     return out, resaved
 
 
-def _text(config: dict) -> dict:
-    return config.get("text_config", config)
-
 
 def test_the_resave_drops_the_flat_keys(outputs):
     """The input is what the issue describes, not a hand-written imitation."""
     _, resaved = outputs
-    text = _text(json.loads((resaved / "target" / "config.json").read_text()))
+    text = text_config_of(json.loads((resaved / "target" / "config.json").read_text()))
     assert "per_layer_config" in text and "global_head_dim" not in text and "num_global_key_value_heads" not in text
 
 
@@ -75,8 +73,8 @@ def test_converting_the_resaved_output_again_mends_it(outputs, run_cli, tmp_path
     assert result.code == 0, result.err
     report = json.loads(run_cli("inspect", mended, "--json").out)
     assert report["conversion"]["recognized"] is True and report["dialect"]["name"] == "legacy"
-    want = _text(json.loads((out / "target" / "config.json").read_text()))
-    got = _text(json.loads((mended / "config.json").read_text()))
+    want = text_config_of(json.loads((out / "target" / "config.json").read_text()))
+    got = text_config_of(json.loads((mended / "config.json").read_text()))
     assert {k: got.get(k) for k in GEOMETRY} == {k: want.get(k) for k in GEOMETRY}
     assert tensor_digests(mended) == tensor_digests(out / "target")  # config only: every tensor byte-identical
 

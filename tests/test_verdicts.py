@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from converter.read.safetensors_header import MAX_HEADER_BYTES
+from converter.gemma4 import text_config_of
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INPUT, EXIT_OUTPUT, EXIT_BROKEN_PIPE = 1, 2, 3, 4, 141
 
@@ -66,7 +67,7 @@ def test_verify_against_another_pairs_source_fails_naming_the_role(synthetic_cac
 
 def _rewrite_config(path: Path, edit) -> None:
     config = json.loads(path.read_text())
-    edit(config.get("text_config", config))
+    edit(text_config_of(config))
     path.write_text(json.dumps(config))
 
 

@@ -34,6 +34,7 @@ from converter.testing.cases import (ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENG
                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RELEASES,
                                     TWIN_ENGINE_ROWS, EnginePair, Release, build_quantized_engine_case,
                                     engine_transformers, quantized_engine_form, variant_dirs)
+from converter.gemma4 import text_config_of
 
 from _edits import swap_experts, swap_kv_heads
 from _ledger import record, recording, skip_if_all_unchanged, today
@@ -490,7 +491,7 @@ def assert_experts_ran(report: dict, target: Path) -> None:
     """Every engine built one CPU fused-MoE kernel per MoE layer (none for a dense target) and called it while
     generating (hooks/sitecustomize.py, GEMMA4_MOE_LOG), with the checkpoint's expert count and hidden size."""
     config = json.loads((target / "config.json").read_text())
-    text = config.get("text_config") or config
+    text = text_config_of(config)
     layers = text["num_hidden_layers"] if text.get("enable_moe_block") else 0
     prefill = sum(report["prompt_lengths"])
     for env, runs in report["runs"].items():

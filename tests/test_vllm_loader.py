@@ -36,6 +36,7 @@ from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
 from converter.testing.cases import CONVERSIONS, LOADER_ROWS, MIXED, ORIGINAL, SOURCES, LoaderRow, Source
 from converter.testing.synthetic import tiny_preset
+from converter.gemma4 import text_config_of
 
 from _ledger import record, recording, reusing, skip_if_unchanged, today, unchanged
 from _vllm_envs import VllmEnv, find_env
@@ -141,7 +142,7 @@ def kv_shared_layers_without_k(target: Path) -> list[int]:
     """Target KV-shared layers whose k_proj the checkpoint lacks (q-only, as converter.testing.synthetic
     writes them)."""
     config = json.loads((target / "config.json").read_text())
-    text = config.get("text_config") or config
+    text = text_config_of(config)
     prefix = "model.language_model." if "text_config" in config else "model."
     names = checkpoint_names(target)
     first_shared = text["num_hidden_layers"] - (text.get("num_kv_shared_layers") or 0)

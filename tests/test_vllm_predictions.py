@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from converter.testing.synthetic import tiny_preset, write_pair
+from converter.gemma4 import text_config_of
 from _vllm_envs import LEGACY_TRANSFORMERS, find_env
 from test_vllm_loader import LOADER_PACKAGE, run_checker
 
@@ -37,9 +38,6 @@ def pristine(tmp_path_factory) -> Path:
     write_pair(root, preset=tiny_preset("31b"), multimodal=False)
     return root
 
-
-def _text(config: dict) -> dict:
-    return config.get("text_config", config)
 
 
 # (id, role broken, config edit, expected effect in inspect's `weights`, vLLM stage that loads the broken side)
@@ -70,7 +68,7 @@ def test_inspect_predicts_what_the_real_loader_does(case, pristine, legacy_env, 
     shutil.copytree(pristine, pair)
     config_path = pair / role / "config.json"
     config = json.loads(config_path.read_text())
-    edit(_text(config))
+    edit(text_config_of(config))
     config_path.write_text(json.dumps(config))
 
     code, report = _inspect(pair / role)

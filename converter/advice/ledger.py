@@ -162,7 +162,7 @@ def release_requirements(path: Path = LEDGER_PATH) -> dict[str, str]:
 
 
 def version_key(version: str) -> tuple[int, ...]:
-    """(0, 27, 0) for "0.27.0"; a local tag or pre-release suffix is ignored ("5.15.0rc1+cpu" -> (5, 15, 0))."""
+    """(0, 27, 0) for "0.27.0"; a local tag or pre-release suffix is ignored ("5.16.0rc1+cpu" -> (5, 16, 0))."""
     match = re.match(r"\d+(?:\.\d+)*", version.strip())
     return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 

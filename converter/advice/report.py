@@ -12,8 +12,8 @@ from typing import Any
 from ..cost import kv_costs
 from ..parallel import kv_bytes_per_token_per_rank, layer_type_geometry, tp_problems
 from ..errors import InputError
-from ..gemma4 import (DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, ROLE_ASSISTANT, ROLE_TARGET, ModelSpec,
-                      parse_moe_name)
+from ..gemma4 import (DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, PER_LAYER_TRANSFORMERS, ROLE_ASSISTANT,
+                      ROLE_TARGET, ModelSpec, parse_moe_name)
 from ..layouts import Layout, default_layout, layout_names, layouts_in_preference
 from ..layouts.base import layout_from_manifest
 from ..quantization import weight_scheme
@@ -159,14 +159,15 @@ def tensor_parallel(spec: ModelSpec, tp: int) -> dict[str, Any]:
 def _dialect(spec: ModelSpec) -> dict[str, Any]:
     notes = {
         DIALECT_LEGACY: "flat head_dim/global_head_dim/num_global_key_value_heads keys (what vLLM 0.27 reads)",
-        DIALECT_PER_LAYER: "transformers>=5.15 per_layer_config; the flat global keys vLLM 0.27 reads are absent",
+        DIALECT_PER_LAYER: f"transformers>={PER_LAYER_TRANSFORMERS} per_layer_config; the flat global keys vLLM 0.27 "
+                           "reads are absent",
         DIALECT_BOTH: "flat keys and per_layer_config; transformers ignores the flat global keys "
                       "(per_layer_config wins), vLLM 0.27 reads only the flat ones",
     }
     note = notes[spec.dialect]
     if spec.dual_keys:
         note += ("; plus the zero-cost dual keys (allow_global_per_layer_attribute_access, attribute_map aliases) that "
-                 "keep them readable under transformers>=5.15")
+                 f"keep them readable under transformers>={PER_LAYER_TRANSFORMERS}")
     return {"name": spec.dialect, "wins": DIALECT_LEGACY if spec.dialect == DIALECT_LEGACY else DIALECT_PER_LAYER,
             "note": note}
 
@@ -270,14 +271,16 @@ def _conversion(checkpoint: Checkpoint, recognized: str | None) -> dict[str, Any
 
 
 def _drift(checkpoint: Checkpoint) -> dict[str, Any]:
-    """What changed in an output's config since this tool wrote it (most often: re-saved by transformers >= 5.15,
-    which writes per_layer_config and drops the flat keys), which consumers that breaks, and the fix."""
+    """What changed in an output's config since this tool wrote it (most often: re-saved by a transformers >=
+    PER_LAYER_TRANSFORMERS, which writes per_layer_config and drops the flat keys), which consumers that breaks, and
+    the fix."""
     spec = checkpoint.spec
     if spec.dialect != DIALECT_LEGACY:
         what = ("the flat global keys are gone: per_layer_config holds the full layers' geometry (what "
-                "transformers >= 5.15 writes on save_pretrained)")
+                f"transformers >= {PER_LAYER_TRANSFORMERS} writes on save_pretrained)")
     elif not spec.attention.is_homogeneous and not spec.dual_keys:
-        what = "the dual keys are gone or disagree with the flat keys (transformers >= 5.15 cannot read them)"
+        what = (f"the dual keys are gone or disagree with the flat keys (transformers >= {PER_LAYER_TRANSFORMERS} "
+                "cannot read them)")
     else:
         what = "config.json differs from what the recorded layout writes"
     serves, fails = releases_where(shape_of(spec, fused=False))
@@ -340,7 +343,8 @@ def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[Te
     if weights is not None:
         old = weights if config_loads[0] else old
         new = weights if config_loads[1] else new
-    return {"vllm": VLLM_027_OLD.vllm, "transformers<5.15": old, "transformers>=5.15": new,
+    return {"vllm": VLLM_027_OLD.vllm, f"transformers<{PER_LAYER_TRANSFORMERS}": old,
+            f"transformers>={PER_LAYER_TRANSFORMERS}": new,
             "silent_truncation_risk": risk, "weights": [load.to_json() for load in loads]}
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from ..cost import kv_costs
 from ..errors import UsageError
 from ..gemma4 import (DIALECT_LEGACY, FORM_DUAL_KEYS, FORM_FLAT, FORM_FUSED, FORM_HOMOGENEOUS, FORM_PER_LAYER_CONFIG,
-                      KV_MIXED, KV_UNIFORM, ModelSpec, describe_kv_geometry)
+                      KV_MIXED, KV_UNIFORM, PER_LAYER_TRANSFORMERS, ModelSpec, describe_kv_geometry)
 from ..layouts import Layout, get_layout, layouts_in_preference
 from .ledger import CHECK_LOADER, PASS, load_ledger, release_requirements, version_key
 from .evidence import Evidence, Shape, describe_rows, evidence, row_geometry, serving_rows
@@ -27,7 +27,7 @@ from .evidence import Evidence, Shape, describe_rows, evidence, row_geometry, se
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
 
-TRANSFORMERS_PER_LAYER = (5, 15)  # first transformers that rebuilds per_layer_config from the flat keys
+TRANSFORMERS_PER_LAYER = version_key(PER_LAYER_TRANSFORMERS)  # as a comparable tuple
 VLLM_READS_PER_LAYER = (0, 28)  # first vLLM that reads per-layer configs itself (PR #49797)
 VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (docs/DESIGN.md section 8)
 VLLM_DRAFT_KV_HEADS = (0, 23)  # first vLLM whose draft builds full layers with the global KV-head count
@@ -149,13 +149,15 @@ def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verd
         return Verdict("unknown", None, "vLLM before 0.21 has no Gemma 4 MTP draft (gemma4_mtp.py); not checked")
     if form == FORM_PER_LAYER_CONFIG and not new_transformers:
         # measured with vLLM 0.27.0 and 0.28.0: transformers 5.14's own AutoConfig raises (validate_architecture)
-        return Verdict("fails", AMBIGUOUS, "transformers<5.15 cannot read a config.json holding per_layer_config: "
+        return Verdict("fails", AMBIGUOUS, f"transformers<{PER_LAYER_TRANSFORMERS} cannot read a config.json holding "
+                                           f"per_layer_config: "
                        "its AutoConfig raises on head_dim (validate_architecture) before vLLM sees the config")
     if vllm[:2] >= VLLM_READS_PER_LAYER:
         if form == FORM_FUSED:
             return Verdict("unknown", None, "fused self_attn.qkv_proj: not checked with vLLM >= 0.28")
         return Verdict("loads", None, "vLLM >= 0.28 reads per-layer-type geometry itself (gemma4_layer_config)")
-    ambiguous = Verdict("fails", AMBIGUOUS, "transformers>=5.15 turns the flat keys into per_layer_config and raises "
+    ambiguous = Verdict("fails", AMBIGUOUS, f"transformers>={PER_LAYER_TRANSFORMERS} turns the flat keys into "
+                                            f"per_layer_config and raises "
                         "on config.head_dim (vLLM 0.27.0 model_arch_config_convertor.py:608) before any weight is read")
     if form == FORM_PER_LAYER_CONFIG:
         return ambiguous
@@ -322,7 +324,8 @@ def _decide_default(shape: Shape) -> Decision:
                   "the compatibility ledger choose for your vLLM")
     old, new = (measured(shape, e)[0] for e in (VLLM_027_OLD, vllm_027_new()))
     if old.outcome == new.outcome == "loads":
-        return Decision(NO_CONVERSION, f"serves as it is with vLLM 0.27 under transformers 5.14 and >=5.15 "
+        return Decision(NO_CONVERSION, f"serves as it is with vLLM 0.27 under transformers 5.14 and "
+                                       f">={PER_LAYER_TRANSFORMERS} "
                         f"({shape.form})", MEASURED, True, default.name, writes_why)
     serves, fails = releases_where(after)
     return Decision(
@@ -330,7 +333,7 @@ def _decide_default(shape: Shape) -> Decision:
         alternative=Alternative(fallback.name, _fallback_when(default, (serves, fails))) if fallback else None,
         requires=f"vLLM {', '.join(serves) or '(none measured)'} under every transformers measured"
                  + (f"; not vLLM {', '.join(fails)}: {fallback.name} there" if fails and fallback else ""),
-        no_conversion_needed_when=("vLLM runs with transformers<5.15, or vLLM is 0.28 or newer"
+        no_conversion_needed_when=(f"vLLM runs with transformers<{PER_LAYER_TRANSFORMERS}, or vLLM is 0.28 or newer"
                                    if old.outcome == "loads" else None))
 
 
@@ -393,10 +396,10 @@ def _decide_for(shape: Shape, asked: ServingEnv) -> Decision:
 
 
 def _generations(env: ServingEnv) -> list[ServingEnv]:
-    """env, or, with no transformers named, env under each transformers generation (before and from 5.15)."""
+    """env, or, with no transformers named, env under each transformers generation (before and from PER_LAYER_TRANSFORMERS)."""
     if env.transformers:
         return [env]
-    return [replace(env, transformers="5.14.1"), replace(env, transformers=".".join(map(str, TRANSFORMERS_PER_LAYER)))]
+    return [replace(env, transformers="5.14.1"), replace(env, transformers=PER_LAYER_TRANSFORMERS)]
 
 
 def _explain(layout: Layout, candidates: list[tuple[Layout, Shape]], env: ServingEnv) -> str:

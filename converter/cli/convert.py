@@ -11,7 +11,7 @@ import click
 from ..advice.serving import MEASURED
 from ..cost import human_bytes
 from ..errors import UsageError
-from ..gemma4 import Role
+from ..gemma4 import PER_LAYER_TRANSFORMERS, Role
 from ..layouts.base import layout_offering
 from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertJob, ConvertResult, PreparedConversion, convert,
                         serve_command)
@@ -46,7 +46,8 @@ def _size(ctx, param, value):
                    "Default: the compatibility ledger's choice for --serving / --serving-python, else per-layer.")
 @serving_options
 @click.option("--flat-keys-only", is_flag=True,
-              help="per-layer only: write the bare flat keys without the dual keys (serves with transformers<5.15 "
+              help=f"per-layer only: write the bare flat keys without the dual keys (serves with "
+                   f"transformers<{PER_LAYER_TRANSFORMERS} "
                    "only; the default serves with any transformers 5.x).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only after the new output is complete).")
 @click.option("--link", type=click.Choice(LINK_MODES), default="auto", show_default=True,
@@ -121,7 +122,8 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
         return
     click.echo(_serve_heading(ready))
     if flat_keys_only:
-        click.echo("  (--flat-keys-only needs transformers<5.15 where vLLM runs: pip install 'transformers<5.15')")
+        click.echo(f"  (--flat-keys-only needs transformers<{PER_LAYER_TRANSFORMERS} where vLLM runs: pip install "
+                   f"'transformers<{PER_LAYER_TRANSFORMERS}')")
     click.echo(f"  {serve_command(ready.plan)}")
 
 

@@ -14,6 +14,7 @@ from ..errors import InputError
 from ..hub.download import LocalSource, open_checkpoint
 from ..layouts import layouts_in_preference
 from ._common import SOURCE_HEADERS, echo_json, kv_cost_lines, serving_env, serving_options
+from ..gemma4 import PER_LAYER_TRANSFORMERS
 
 
 @click.command("inspect")
@@ -52,9 +53,10 @@ def verdict_line(report: dict[str, Any]) -> str:
         as_is = f"as it is, the source {_outcome_words(outcome)}"
     else:
         where = f"vLLM {stock['vllm']} (no vLLM named or beside the tool)"
-        old, new = stock["transformers<5.15"], stock["transformers>=5.15"]
-        as_is = f"as it is, {_outcome_words(old)} with transformers<5.15 and >=5.15" if old == new else \
-            f"as it is, {_outcome_words(old)} with transformers<5.15, {_outcome_words(new)} with >=5.15"
+        before, since = f"transformers<{PER_LAYER_TRANSFORMERS}", f">={PER_LAYER_TRANSFORMERS}"
+        old, new = stock[before], stock[f"transformers{since}"]
+        as_is = f"as it is, {_outcome_words(old)} with {before} and {since}" if old == new else \
+            f"as it is, {_outcome_words(old)} with {before}, {_outcome_words(new)} with {since}"
     return f"{where}: {as_is}; {_answer_words(rec)}"
 
 
@@ -122,7 +124,7 @@ def render(report: dict[str, Any], *, verbose: bool = False) -> None:
             d = c["drift"]
             click.echo(f"    changed since: {d['what']}\n    breaks: {d['breaks']}\n    fix: {d['fix']}")
     click.echo(f"  stock vLLM {report['stock_vllm']['vllm']}:")
-    for generation in ("transformers<5.15", "transformers>=5.15"):
+    for generation in (f"transformers<{PER_LAYER_TRANSFORMERS}", f"transformers>={PER_LAYER_TRANSFORMERS}"):
         verdict = report["stock_vllm"][generation]
         error = f" ({verdict['error']})" if verdict["error"] else ""
         click.echo(f"    with {generation}: {verdict['outcome']}{error}"

@@ -21,7 +21,7 @@ from ..advice.ledger import CHECK_ENGINE, CHECK_LOADER, NOT_RUN, VLLM, version_k
 from ..advice.consumers import command_language, drafting_command, drafting_proofs
 from ..cost import human_bytes, kv_costs
 from ..errors import InputError, UsageError
-from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, read_spec
+from ..gemma4 import PER_LAYER_TRANSFORMERS, ROLE_ASSISTANT, ROLE_TARGET, read_spec
 from ..layouts import Layout, default_layout
 from ..layouts.base import layout_from_manifest
 from ..pairing import serve_line
@@ -185,7 +185,8 @@ def _drafting_section(variant: str, recorded: str, target_repo: str | None, assi
     return "\n\n".join(parts)
 
 
-RESAVE_NOTE = ("Use and re-upload `config.json` as it is: re-saving it with transformers >= 5.15 (`save_pretrained`, "
+RESAVE_NOTE = (f"Use and re-upload `config.json` as it is: re-saving it with transformers >= "
+               f"{PER_LAYER_TRANSFORMERS} (`save_pretrained`, "
                "as fine-tuning and quantization scripts do) drops the flat keys vLLM <= 0.27, MLX and SGLang 0.5.1x read. "
                "`gemma4-convert inspect` names what changed; "
                f"`gemma4-convert convert DIR --layout {default_layout().name}` mends it (config only, seconds).")

@@ -201,8 +201,8 @@ class Layout:
 
 
 def write_vision_rope_portably(config: dict[str, Any]) -> None:
-    """Vision rope "axial" -> "default", in place: transformers >= 5.15 writes "axial" on save_pretrained, which
-    5.14.1 cannot build (KeyError: 'axial'); >= 5.15 maps "default" back to "axial" on load
+    """Vision rope "axial" -> "default", in place: transformers >= PER_LAYER_TRANSFORMERS writes "axial" on save_pretrained, which
+    5.14.1 cannot build (KeyError: 'axial'); >= PER_LAYER_TRANSFORMERS maps "default" back to "axial" on load
     (modeling_rope_utils.py standardize_rope_params, Gemma4VisionConfig.default_rope_type), so both read it."""
     vision = config.get("vision_config")
     rope = vision.get("rope_parameters") if isinstance(vision, dict) else None

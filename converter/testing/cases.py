@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..advice.ledger import ORIGINAL
+from ..gemma4 import text_config_of
 from .synthetic import (PRESETS, Preset, as_qat_assistant, calm_attention, dequantize_checkpoint, engine_preset, fp8_quantization_config,
                         int8_quantization_config, modelopt_nvfp4_config, scale_for_engine, snap_to_q4_0_grid,
                         tiny_preset, w4a16_quantization_config, write_engine_pair, write_pair)
@@ -612,7 +613,7 @@ def swap_query_heads(assistant: Path, out: Path) -> Path:
 
     shutil.copytree(assistant, out)
     config = json.loads((assistant / "config.json").read_text())
-    text = config.get("text_config", config)
+    text = text_config_of(config)
     heads = text["num_attention_heads"]
     for file in sorted(out.glob("*.safetensors")):
         with safe_open(str(file), "pt") as handle:

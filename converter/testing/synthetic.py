@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import torch
 from safetensors.torch import save_file
 
-from ..gemma4 import FULL, SLIDING
+from ..gemma4 import FULL, SLIDING, text_config_of
 from ..quantization import weight_scheme
 
 S, F = SLIDING, FULL
@@ -274,13 +274,13 @@ def in_dialect(documents: dict[str, dict], dialect: str, *, saved_by: str | None
         return copy.deepcopy(documents)
     version, saved = resave_documents(documents, python=saved_by)
     for name, doc in saved.items():
-        text = doc.get("text_config") or doc
+        text = text_config_of(doc)
         wrote = "per_layer_config" if "per_layer_config" in text else "legacy"
-        heterogeneous = _heterogeneous(documents[name].get("text_config") or documents[name])
+        heterogeneous = _heterogeneous(text_config_of(documents[name]))
         if heterogeneous and wrote != ("legacy" if dialect == "legacy" else "per_layer_config"):
             raise ValueError(f"transformers {version} writes the {wrote} dialect, not {dialect}")
         if dialect == "both":
-            original = documents[name].get("text_config") or documents[name]
+            original = text_config_of(documents[name])
             text.update({k: original[k] for k in ("global_head_dim", "num_global_key_value_heads")})
     return saved
 
@@ -825,7 +825,7 @@ def dequantize_checkpoint(source: str | Path, destination: str | Path) -> list[s
 
     source, destination = Path(source), Path(destination)
     config = json.loads((source / "config.json").read_text())
-    quantization = (config.get("text_config") or config).pop("quantization_config", None) or \
+    quantization = text_config_of(config).pop("quantization_config", None) or \
         config.pop("quantization_config")
     scheme, compressor = config_scheme(quantization), BaseCompressor.get_value_from_registry(quantization["format"])
     destination.mkdir(parents=True)

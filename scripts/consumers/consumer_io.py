@@ -1,5 +1,6 @@
-"""What every consumer check (scripts/consumers/<consumer>/check.py, draft.py) shares: its command line, the prompt the
-consumers are compared on, and the one-line form of a consumer's failure, with where in the consumer it was raised.
+"""What every consumer check (scripts/consumers/<consumer>/check.py, draft.py, and the vLLM harnesses) shares: its
+command line, the prompt the consumers are compared on, the one-line form of a consumer's failure with where in the
+consumer it was raised, a free loopback port for a consumer's server, and a config's text config.
 
 Standard library only: each check runs under its consumer's own interpreter and imports this by path.
 """
@@ -10,6 +11,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,20 @@ from pathlib import Path
 
 PROMPT = [2, 17, 5, 33, 9, 41, 3, 12, 28, 7, 19, 36]  # ids below every test vocabulary; one prompt for every consumer
 NEW_TOKENS = 8
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (a consumer's server binds it next)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def text_config_of(config: dict) -> dict:
+    """The dict holding a Gemma 4 config's attention keys: `text_config` when nested, else the config itself (as
+    converter/gemma4.py text_config_of; this module imports nothing outside the standard library)."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
 
 
 def parse_pairs(description: str, argv: list[str] | None = None) -> tuple[dict[str, Path], Path]:

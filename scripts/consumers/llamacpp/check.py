@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/consumers: run by path, not as a package
-from consumer_io import NEW_TOKENS, PROMPT, one_line, parse_pairs  # noqa: E402
+from consumer_io import NEW_TOKENS, PROMPT, one_line, parse_pairs, text_config_of  # noqa: E402
 
 LLAMA_CPP = Path(sys.prefix) / "llama.cpp"  # setup_env.py unpacked the GGUF converter here
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
@@ -44,7 +44,7 @@ ALWAYS_WRITTEN = {"moe_intermediate_size": None}  # Gemma4TextConfig's default, 
 
 
 def vocab_size(config: dict) -> int:
-    return (config.get("text_config") or config)["vocab_size"]
+    return text_config_of(config)["vocab_size"]
 
 
 def write_tokenizer(directory: Path, size: int) -> None:
@@ -74,7 +74,7 @@ def stage(model: Path, into: Path) -> tuple[Path, list[str]]:
         if item.name not in TOKENIZER_FILES + ("config.json",):
             os.symlink(item.resolve(), into / item.name)
     config = json.loads((model / "config.json").read_text())
-    text = config.get("text_config") or config
+    text = text_config_of(config)
     added = [key for key in ALWAYS_WRITTEN if key not in text]
     text.update({key: ALWAYS_WRITTEN[key] for key in added})
     (into / "config.json").write_text(json.dumps(config, indent=2))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,18 +38,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/consumers: run by path, not as a package
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check import convert  # noqa: E402
-from consumer_io import NEW_TOKENS, PROMPT, one_line  # noqa: E402
+from consumer_io import NEW_TOKENS, PROMPT, free_port, one_line  # noqa: E402
 
 N_MAX = 3  # draft tokens per step (--spec-draft-n-max)
 CANDIDATE = re.compile(r"draft candidate\s+(\d+), pos\s+(\d+):\s+(-?\d+) \(\s*([-+\d.eE]+)\)")
 START_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 300
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def serve(server: Path, target: Path, assistant: Path | None, log: Path, *, cache: str = "f32") -> dict:

@@ -32,7 +32,6 @@ import glob
 import json
 import os
 import re
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # scripts/consumers: run by path, not as a package
 sys.path.insert(0, str(HERE))
-from consumer_io import in_own_process, one_line, parse_pairs  # noqa: E402
+from consumer_io import free_port, in_own_process, one_line, parse_pairs  # noqa: E402
 import standins  # noqa: E402
 
 standins.install(["torchvision", "vllm._custom_ops"])
@@ -49,13 +48,6 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def setup(target: str, assistant: str, dtype: str, attention_backend: str | None):

@@ -51,13 +51,15 @@ import json
 import os
 import platform
 import re
-import socket
 import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/consumers: run by path, not as a package
+from consumer_io import free_port, text_config_of  # noqa: E402
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
@@ -133,9 +135,6 @@ def read_config(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
 
 
-def text_config_dict(config: dict[str, Any]) -> dict[str, Any]:
-    return config.get("text_config") or config
-
 
 def k_eq_v_layers(text_cfg: dict[str, Any]) -> set[int]:
     """Full-attention layers whose V is K (``attention_k_eq_v``), read from config.json."""
@@ -186,7 +185,7 @@ def _map_text_suffix(rel: str, names: set[str], ckpt_prefix: str, keqv: set[int]
 
 def expected_target(names: set[str], config: dict[str, Any], *, multimodal_model: bool, has_audio: bool) -> ExpectedSet:
     """What every target parameter must hold, from checkpoint names and config.json only."""
-    text_cfg = text_config_dict(config)
+    text_cfg = text_config_of(config)
     keqv = k_eq_v_layers(text_cfg)
     tied = bool(text_cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
     text_out = "language_model.model." if multimodal_model else "model."
@@ -487,12 +486,6 @@ def check_kv_sharing(
 # --------------------------------------------------------------------------- vLLM stages
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_stage(stage: str, fn: Callable[[], Any], log: Callable[[str], None]) -> Any:
     try:
         value = fn()
@@ -565,7 +558,7 @@ def configure(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any
 
         if not torch.distributed.is_initialized():  # once per process: --batch checks every pair in one
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         with set_current_vllm_config(vcfg):
             ensure_model_parallel_initialized(1, 1)
 
@@ -704,8 +697,8 @@ def report_stage_error(err: StageError, log: Callable[[str], None]) -> None:
 def verify(loaded: Loaded, args: argparse.Namespace, result: dict[str, Any], log: Callable[[str], None]) -> None:
     """Compares whatever loaded; fills result["target"], ["draft"], ["kv_sharing"], ["checks_failed"]."""
     t_cfg, d_cfg = read_config(args.target), read_config(args.assistant)
-    t_types = layer_types_of(loaded.target_text_config, text_config_dict(t_cfg))
-    d_types = layer_types_of(loaded.draft_text_config, text_config_dict(d_cfg))
+    t_types = layer_types_of(loaded.target_text_config, text_config_of(t_cfg))
+    d_types = layer_types_of(loaded.draft_text_config, text_config_of(d_cfg))
     failed = [err.stage for err in loaded.errors]
     geo: dict[str, dict[int, AttnGeometry]] = {}
     for side, model, types in (("target", loaded.target_model, t_types), ("draft", loaded.draft_model, d_types)):
@@ -725,7 +718,7 @@ def verify(loaded: Loaded, args: argparse.Namespace, result: dict[str, Any], log
         if not res.ok:
             failed.append(f"compare_{side}")
     if len(geo) == 2:
-        t_shared = int(text_config_dict(t_cfg).get("num_kv_shared_layers") or 0)
+        t_shared = int(text_config_of(t_cfg).get("num_kv_shared_layers") or 0)
         rows = check_kv_sharing(geo["target"], geo["draft"], kv_sharing_pairs(t_types, t_shared, d_types))
         result["kv_sharing"] = rows
         print_kv_table(rows, log)

@@ -39,7 +39,6 @@ import os
 import random
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # scripts/consumers: run by path, not as a package
+from consumer_io import free_port, text_config_of  # noqa: E402
+
 HOOKS = HERE / "hooks"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DTYPES = ("float32", "bfloat16")
@@ -97,8 +99,7 @@ def make_prompts(vocab_size: int, sliding_window: int, max_tokens: int = MAX_TOK
 
 
 def text_config(model_dir: Path) -> dict[str, Any]:
-    config = json.loads((model_dir / "config.json").read_text())
-    return config.get("text_config") or config
+    return text_config_of(json.loads((model_dir / "config.json").read_text()))
 
 
 # ============================================================================================= worker
@@ -730,12 +731,6 @@ def print_table(report: dict[str, Any]) -> None:
 
 # ============================================================================================= HTTP server
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Flags the printed command needs on this machine only: loopback, the synthetic pair has no real
 # tokenizer, the CPU engine runs eagerly, and the offline run's dtype / length / multimodal limits.
 CPU_SERVE_FLAGS = ("--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len",
@@ -760,7 +755,7 @@ def _serve_http(env: Env, command_line: str, prompt: list[int], want: list[int],
     argv = shlex.split(command_line)
     if argv[:2] != ["vllm", "serve"]:
         raise UsageError(f"--serve-command must start with 'vllm serve', got {command_line[:80]!r}")
-    port = _free_port()
+    port = free_port()
     exe = str(Path(env.python).parent / "vllm")
     full = [exe, *argv[1:], *CPU_SERVE_FLAGS, "--port", str(port)]
     log_path = workdir / "serve.log"

@@ -214,8 +214,8 @@ def check_pair(args: argparse.Namespace, pair: Path, tp: int, reference: dict[st
 
 def configs(pair: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The text configs of target and assistant (flat keys: what vLLM 0.27 reads)."""
-    return (check.text_config_dict(check.read_config(pair / "target")),
-            check.text_config_dict(check.read_config(pair / "assistant")))
+    return (check.text_config_of(check.read_config(pair / "target")),
+            check.text_config_of(check.read_config(pair / "assistant")))
 
 
 def draft_reads(t_cfg: dict[str, Any], d_cfg: dict[str, Any]) -> list[tuple[int, int]]:
