@@ -58,6 +58,7 @@ class ConvertRequest:
     hashed: bool = True  # sha256 of every source and output file read or written (--no-hash: null in the manifest)
     tp: int | None = None  # the tensor-parallel size the user serves with (--tp): checked, named in the serve line
     any_name: bool = False  # --any-name: an output path vLLM misreads as another draft method warns, not refuses
+    dequantize_assistant: bool = False  # --dequantize-assistant: the assistant's weights written plain float
     # role -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[Role, Mapping[str, str]] = field(default_factory=dict, hash=False)
     serving: ServingEnv | None = None  # the environment the layout was chosen for (recorded, quoted on the card)
@@ -80,8 +81,10 @@ class PlannedCheckpoint:
     def parameters_added(self) -> int:
         """Model weights the layout adds: elements, a packed code word counted as the codes it holds, so fp8, packed
         int4 and mixed-dtype checkpoints count right (bytes / an element size would not)."""
-        config = self.source.spec.quantization
-        return sum((math.prod(t.shape) - math.prod(t.source.shape)) * weights_per_element(config, t.name, t.dtype)
+        before = self.source.spec.quantization
+        after = before if not self.plan.dequantized else None
+        return sum(math.prod(t.shape) * weights_per_element(after, t.name, t.dtype)
+                   - math.prod(t.source.shape) * weights_per_element(before, t.source.ref.name, t.source.ref.dtype)
                    for t in self.plan.tensors)
 
 
@@ -145,10 +148,11 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
             warnings.append(f"{checkpoint.path}: {', '.join(f'{name}/' for name in left)} not carried into the output "
                             "(an output carries the checkpoint's top-level files)")
     check_roles(checkpoints, {role: str(c.path) for role, c in checkpoints.items()})
-    for checkpoint in checkpoints.values():
+    dequantizing = _dequantized_roles(checkpoints, request)
+    for role, checkpoint in checkpoints.items():
         layout.admit(checkpoint)  # validate -> pair -> plan: inspect's first problem is convert's refusal
-        if checkpoint.spec.role == ROLE_ASSISTANT:  # said before writing, as inspect says it (a quantized draft)
-            warnings.extend(serving_pitfalls(checkpoint.config, checkpoint.spec))
+        if checkpoint.spec.role == ROLE_ASSISTANT and role not in dequantizing:  # said before writing, as inspect
+            warnings.extend(serving_pitfalls(checkpoint.config, checkpoint.spec))  # says it (a quantized draft)
     pair = None
     if ROLE_TARGET in checkpoints and ROLE_ASSISTANT in checkpoints:
         pair = check_pair(checkpoints[ROLE_TARGET].spec, checkpoints[ROLE_ASSISTANT].spec)
@@ -167,8 +171,8 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
                         f"the original target either")
     if request.tp is not None:
         _refuse_tensor_parallel(checkpoints, request, layout)
-    items = tuple(PlannedCheckpoint(source=c, plan=layout.plan(c, max_shard_bytes=request.max_shard_bytes),
-                                    role=role) for role, c in checkpoints.items())
+    items = tuple(PlannedCheckpoint(source=c, role=role, plan=layout.plan(
+        c, max_shard_bytes=request.max_shard_bytes, dequantize=role in dequantizing)) for role, c in checkpoints.items())
     for item in items:
         warnings.extend(item.plan.warnings)
         warnings.extend(q4_0_grid_notes(item.source, only=layout.name))  # said before writing, as inspect says it
@@ -187,6 +191,17 @@ def _linked_bytes(request: ConvertRequest, items: tuple[PlannedCheckpoint, ...])
     if request.link == "auto" and not reflink_possible(unchanged[0].same_as, _existing_parent(request.out)):
         return 0
     return sum(shard.nbytes for shard in unchanged)
+
+
+def _dequantized_roles(checkpoints: Mapping[Role, Checkpoint], request: ConvertRequest) -> set[Role]:
+    """The roles --dequantize-assistant rewrites: the assistant's (given as --assistant or as SRC)."""
+    if not request.dequantize_assistant:
+        return set()
+    roles = {role for role, c in checkpoints.items() if c.spec.role == ROLE_ASSISTANT}
+    if not roles:
+        raise UsageError("--dequantize-assistant: no assistant to dequantize; give --assistant A (or an assistant "
+                         "as SRC)")
+    return roles
 
 
 def _sources(request: ConvertRequest) -> dict[Role, Path]:
@@ -338,6 +353,7 @@ class ConvertJob:
     tp: int | None = None
     any_name: bool = False  # --any-name
     dry_run: bool = False
+    dequantize_assistant: bool = False  # --dequantize-assistant
 
 
 @dataclass(frozen=True)
@@ -383,7 +399,9 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
     if not job.target_only:
         paired = _pair_published_assistant(job, sources, opened, api)
     decision = _decision(opened, job)
-    refusal = next((r for r in (quantized_assistant_refusal(c.spec) for c in opened.values()) if r), None)
+    # the sources' own measured refusal (a quantized assistant): no serve line for them, and no note that they serve
+    source_refusal = next((r for r in (quantized_assistant_refusal(c.spec) for c in opened.values()) if r), None)
+    refusal = None if job.dequantize_assistant else source_refusal
     if _serves_as_it_is(decision, job):
         return PreparedConversion(job=job, plan=None, decision=decision, paired_assistant=paired, notes=(),
                                   source_serve_line=_source_serve_line(sources, opened),
@@ -392,11 +410,12 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
         out=job.out, layout=job.layout or (decision.writes if decision else default_layout().name),
         layout_options=job.layout_options, force=job.force, max_shard_bytes=job.max_shard_bytes, link=job.link,
         hashed=job.hashed, tp=job.tp, any_name=job.any_name, serving=job.serving,
+        dequantize_assistant=job.dequantize_assistant,
         opened={sources[role].path: checkpoint for role, checkpoint in opened.items()},
         origins={role: source.origin() for role, source in sources.items() if source.origin()},
         **{role.value: source.path for role, source in sources.items()})
     plan = plan_conversion(request)
-    notes = () if job.serving is not None else tuple(serving_notes(
+    notes = () if job.serving is not None or source_refusal else tuple(serving_notes(
         [(f"the {'source' if i.role is Role.SINGLE else i.role}", shape_of(i.source.spec, fused=has_fused_qkv(i.source)))
          for i in plan.items], plan.request.layout))
     prepared = PreparedConversion(job=job, plan=plan, decision=decision, paired_assistant=paired, notes=notes,
@@ -446,7 +465,8 @@ def _decision(opened: Mapping[Role, Checkpoint], job: ConvertJob) -> Decision | 
 def _serves_as_it_is(decision: Decision | None, job: ConvertJob) -> bool:
     """No work for nothing: the environment named (or found beside the tool) serves the source as it is, and no
     --layout asks for a conversion anyway."""
-    return decision is not None and decision.layout == NO_CONVERSION and job.layout is None and job.serving is not None
+    return (decision is not None and decision.layout == NO_CONVERSION and job.layout is None
+            and job.serving is not None and not job.dequantize_assistant)
 
 
 def _source_serve_line(sources: Mapping[Role, LocalSource], opened: Mapping[Role, Checkpoint]) -> str:

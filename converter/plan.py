@@ -1,7 +1,8 @@
 """What every output tensor and file will be, decided from config + headers alone (no I/O, no tensor math).
 
 A TensorPlan either COPIES a contiguous byte range of the source (a whole tensor, or a row range of a
-fused qkv_proj) or TRANSFORMS it with a named pure function from transforms.py. Output shards are
+fused qkv_proj) or TRANSFORMS it with a named pure function from transforms.py (which may also read companion
+tensors: a quantized weight's scale, for --dequantize-assistant). Output shards are
 laid out in source byte order so the writer reads every source file once, front to back.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .read.checkpoint import INDEX_NAME, SINGLE_NAME
-from .read.safetensors_header import ShardHeader
+from .read.safetensors_header import DTYPES, ShardHeader
 from .read.slices import SourceSlice
 
 ACTION_KEPT = "kept"
@@ -28,7 +29,8 @@ SPREADS_INPUT_COLUMNS = frozenset({"pad_head_columns", "pad_packed_columns"})
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One output tensor: its name, dtype, shape and how it is produced from one source slice."""
+    """One output tensor: its name, dtype, shape and how it is produced from one source slice (and, for a transform
+    that needs them, the whole companion tensors it reads beside it, in the order the transform takes them)."""
 
     name: str
     dtype: str
@@ -37,10 +39,16 @@ class TensorPlan:
     action: str
     transform: str | None = None
     params: Mapping[str, int] = field(default_factory=dict)
+    companions: tuple[SourceSlice, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return self.source.ref.itemsize * math.prod(self.shape)
+        return DTYPES[self.dtype][1] * math.prod(self.shape)
+
+    @property
+    def read_nbytes(self) -> int:
+        """The source bytes it is made of: its slice and its companions."""
+        return self.source.nbytes + sum(companion.nbytes for companion in self.companions)
 
     @property
     def is_copy(self) -> bool:
@@ -116,6 +124,7 @@ class CheckpointPlan:
     metadata: Mapping[str, str]
     warnings: tuple[str, ...] = ()
     layout_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    dequantized: bool = False  # --dequantize-assistant: quantized weights written as plain float (dequantize.py)
 
     @property
     def tensors(self) -> tuple[TensorPlan, ...]:
@@ -127,7 +136,8 @@ class CheckpointPlan:
 
     @property
     def source_bytes(self) -> int:
-        return sum({t.source.ref.name: t.source.ref.nbytes for t in self.tensors}.values())
+        refs = {piece.ref.name: piece.ref.nbytes for t in self.tensors for piece in (t.source, *t.companions)}
+        return sum(refs.values())
 
 
 def plan_shards(tensors: Iterable[TensorPlan], *, source_files: list[str], indexed: bool,

@@ -12,7 +12,7 @@ like the original pair (i, i + d/2), with the same frequency, so no rope config 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -211,6 +211,39 @@ def scale_weight_shape(weight: torch.Tensor, *, rows: int = 1, columns: int = 1,
     return weight * torch.tensor([rows, columns], dtype=weight.dtype)
 
 
+def expand_scale(scale: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """A weight scale broadcast to the weight's shape, in its own dtype: group and block scales [ceil(out/br),
+    ceil(in/bc)] repeat over their blocks (the last block may be partial); per-row [out, 1] and per-tensor scales
+    broadcast as they are."""
+    if scale.dim() != 2 or len(shape) != 2 or scale.shape[1] == 1:
+        return scale
+    rows, columns = -(-shape[0] // scale.shape[0]), -(-shape[1] // scale.shape[1])
+    return scale.repeat_interleave(rows, dim=0)[:shape[0]].repeat_interleave(columns, dim=1)[:, :shape[1]]
+
+
+def dequantize_packed(words: torch.Tensor, scale: torch.Tensor, weight_shape: torch.Tensor, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """A symmetric pack-quantized weight (int32 words of 4- or 8-bit codes, its scale, its `weight_shape`) -> the
+    weight in the scale's dtype: each code times its scale, rounded once, as compressed-tensors' own decompressor
+    computes it (`x_q.to(scale.dtype) * scale`; docs/QUANTIZED.md "Dequantized assistants"). (`out` is not used.)"""
+    rows, columns = (int(v) for v in weight_shape.tolist())
+    if words.dim() != 2 or words.shape[0] != rows or not scale.dtype.is_floating_point:
+        raise ValueError(f"dequantize_packed: words {tuple(words.shape)} and {scale.dtype} scale "
+                         f"{tuple(scale.shape)} are not a pack-quantized [{rows}, {columns}] weight")
+    codes = unpack_signed_codes(words, columns)
+    return codes.to(scale.dtype) * expand_scale(scale, (rows, columns))
+
+
+def dequantize_scaled(weight: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """A float8 or int8 weight and its scale (per tensor, row, group or block) -> the weight in the scale's dtype,
+    each value times its scale rounded once, as compressed-tensors' own decompressor computes it. (`out` unused.)"""
+    if weight.dim() != 2 or not scale.dtype.is_floating_point:
+        raise ValueError(f"dequantize_scaled: expected a 2-D weight and a float scale, got {weight.dtype} "
+                         f"{tuple(weight.shape)} and {scale.dtype} {tuple(scale.shape)}")
+    return weight.to(scale.dtype) * expand_scale(scale, tuple(weight.shape))
+
+
 TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
     "pad_head_rows": pad_head_rows,
     "pad_head_norm": pad_head_norm,
@@ -220,14 +253,17 @@ TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
     "repeat_rows": repeat_rows,
     "pad_packed_columns": pad_packed_columns,
     "scale_weight_shape": scale_weight_shape,
+    "dequantize_packed": dequantize_packed,
+    "dequantize_scaled": dequantize_scaled,
 }
 
 
-def apply_transform(name: str, tensor: torch.Tensor, params: dict[str, int], out: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def apply_transform(name: str, tensor: torch.Tensor, params: dict[str, int], out: torch.Tensor | None = None,
+                    companions: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """Runs the named transform; the name and params are what conversion.json records for the tensor. The result is
-    written into `out` (a flat byte tensor of its size) where the transform can, else into a new tensor."""
-    return TRANSFORMS[name](tensor, out=out, **params)
+    written into `out` (a flat byte tensor of its size) where the transform can, else into a new tensor.
+    `companions`: the further tensors a transform reads (a quantized weight's scale), in its order."""
+    return TRANSFORMS[name](tensor, *companions, out=out, **params)
 
 
 def decode(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -255,12 +291,17 @@ def encode(tensor: torch.Tensor) -> memoryview:
 
 
 def transform_bytes(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...], name: str,
-                    params: dict[str, int], out: memoryview | None = None) -> memoryview:
+                    params: dict[str, int], out: memoryview | None = None,
+                    companions: tuple[torch.Tensor, ...] = (), result_dtype: torch.dtype | None = None) -> memoryview:
     """Decode, apply the named transform, encode: what the writer and `verify` both run for a TRANSFORM tensor.
     `out` (writable, the result's size) is where the result is written where the transform can (see apply_transform);
-    the bytes returned may be a view of it."""
+    the bytes returned may be a view of it. A transform that changes the dtype (a dequantization, whose result is
+    in its scale's dtype) is cast to `result_dtype`, the dtype the plan writes."""
     into = torch.frombuffer(out, dtype=torch.uint8) if out is not None and len(out) else None
-    return encode(apply_transform(name, decode(raw, dtype=dtype, shape=shape), params, into))
+    result = apply_transform(name, decode(raw, dtype=dtype, shape=shape), params, into, companions)
+    if result_dtype is not None and result.dtype != result_dtype:
+        result = result.to(result_dtype)
+    return encode(result)
 
 
 def torch_dtype(safetensors_dtype: str) -> torch.dtype:
@@ -268,8 +309,13 @@ def torch_dtype(safetensors_dtype: str) -> torch.dtype:
     return getattr(torch, DTYPES[safetensors_dtype][0])
 
 
-def render_transform(tensor: TensorPlan, raw: bytearray | memoryview, out: memoryview | None = None) -> memoryview:
-    """The bytes of a TRANSFORM tensor, computed from its source bytes: what the writer writes and `verify`
-    recomputes (one function, so the two can never disagree). `out`: as transform_bytes takes it."""
-    return transform_bytes(raw, dtype=torch_dtype(tensor.dtype), shape=tensor.source.shape, name=tensor.transform,
-                           params=dict(tensor.params), out=out)
+def render_transform(tensor: TensorPlan, raw: bytearray | memoryview, out: memoryview | None = None,
+                     companions: Sequence[bytes | bytearray | memoryview] = ()) -> memoryview:
+    """The bytes of a TRANSFORM tensor, computed from its source bytes (and its companions' bytes, in the order of
+    tensor.companions): what the writer writes and `verify` recomputes (one function, so the two can never
+    disagree). `out`: as transform_bytes takes it."""
+    decoded = tuple(decode(data, dtype=torch_dtype(piece.ref.dtype), shape=piece.shape)
+                    for piece, data in zip(tensor.companions, companions, strict=True))
+    return transform_bytes(raw, dtype=torch_dtype(tensor.source.ref.dtype), shape=tensor.source.shape,
+                           name=tensor.transform, params=dict(tensor.params), out=out, companions=decoded,
+                           result_dtype=torch_dtype(tensor.dtype))

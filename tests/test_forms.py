@@ -112,7 +112,7 @@ MEASURED_REFUSAL = "There is no module or parameter named 'model.post_projection
 
 
 def test_the_ledger_holds_the_measured_refusal_of_a_quantized_assistant():
-    rows = [r for r in load_ledger() if r.case == "31b-w4a16-assistant"]
+    rows = [r for r in load_ledger() if r.case == "31b-w4a16-assistant" and not r.options]  # as published
     assert rows and all(r.verdict == "fail" == r.expected for r in rows)
     scoped = [r for r in rows if r.scope == SCOPE_ASSISTANT]
     assert {r.layout for r in scoped} == {"original", "per-layer"}

@@ -39,7 +39,8 @@ def _assistant_pitfalls(config: Mapping[str, Any], spec: ModelSpec) -> list[str]
         warnings.append(f"the assistant is quantized ({method}): "
                         + (f"{refusal}; where it loads, " if refusal else "")
                         + "a quantized MTP draft accepts ~0 % of its tokens (vLLM #47091); serve the bf16 assistant "
-                        "beside the quantized target, and leave speculative_config's quantization unset")
+                        "beside the quantized target (or write this one in bf16: convert --dequantize-assistant), "
+                        "and leave speculative_config's quantization unset")
     text = text_config_of(config)
     layers, shared = text.get("num_hidden_layers"), text.get("num_kv_shared_layers")
     if isinstance(layers, int) and isinstance(shared, int) and shared != layers:

@@ -64,13 +64,17 @@ def _size(ctx, param, value):
 @click.option("--any-name", is_flag=True,
               help="Write OUT even where vLLM 0.33 and older would take the assistant's path for another speculative "
                    "method's draft (it holds eagle-, eagle3, dflash or dspark): a warning instead of a refusal.")
+@click.option("--dequantize-assistant", is_flag=True,
+              help="Write a quantized assistant (compressed-tensors) in its unquantized dtype: each weight its codes "
+                   "times its scales, as compressed-tensors decompresses it, and no quantization_config. Stock vLLM "
+                   "does not load the quantized assistants published beside bf16 targets (docs/QUANTIZED.md).")
 @click.option("--max-shard-size", callback=_size, default=None, metavar="SIZE",
               help="Re-shard output by a byte budget, decimal units (e.g. 5GB). Default: mirror the source shards.")
 @click.pass_context
 def command(ctx: click.Context, src: str | None, target: str | None, assistant: str | None, target_only: bool,
             out: Path, layout: str | None, serving_python: Path | None, serving_spec: str | None,
             flat_keys_only: bool, force: bool, link: str, hashed: bool, dry_run: bool,
-            max_shard_size: int | None, tp: int | None, any_name: bool) -> None:
+            max_shard_size: int | None, tp: int | None, any_name: bool, dequantize_assistant: bool) -> None:
     """Convert a target and its assistant (or one checkpoint SRC) into OUT.
 
     \b
@@ -92,7 +96,7 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
                      layout_options=dict([FLAT_KEYS_ONLY]) if flat_keys_only else {},
                      serving=serving_env(serving_python, serving_spec), target_only=target_only, force=force,
                      max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp, dry_run=dry_run,
-                     any_name=any_name)
+                     any_name=any_name, dequantize_assistant=dequantize_assistant)
     with ExitStack() as stack:
         progress: list[Any] = []
 
@@ -118,7 +122,8 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
     click.echo(f"wrote {out} ({human_bytes(ready.plan.output_bytes)} of tensors{_made_summary(result)})")
     refusal = ready.assistant_refusal
     if refusal:  # a line that cannot serve is not printed
-        click.echo(f"no serve line: {refusal}; serve the bf16 assistant beside the target instead")
+        click.echo(f"no serve line: {refusal}; convert with --dequantize-assistant, or serve the bf16 assistant "
+                   "beside the target instead")
         return
     click.echo(_serve_heading(ready))
     if flat_keys_only:
@@ -150,7 +155,8 @@ def _print_serves_as_it_is(ready: PreparedConversion) -> None:
         click.echo(f"assistant: {repo_id} (published beside {target})")
     refusal = ready.assistant_refusal
     if refusal:
-        click.echo(f"no serve line: {refusal}; serve the bf16 assistant beside the target instead")
+        click.echo(f"no serve line: {refusal}; convert with --dequantize-assistant, or serve the bf16 assistant "
+                   "beside the target instead")
         return
     if decision.tested and decision.basis == MEASURED:
         click.echo(f"serve it as it is with stock {serving.label()}:")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, ClassVar, Iterator, Mapping
 
+from ..dequantize import dequantized, refuse_undequantizable, without_quantization
 from ..errors import UnsupportedLayoutError, UsageError
 from ..gemma4 import GEOMETRY_KEYS, AttentionConfig, ModelSpec, attention_tensor_name, without_dual_keys
 from ..plan import ACTION_KEPT, ACTION_SPLIT, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
@@ -155,20 +156,25 @@ class Layout:
         self.check(spec, source=source)
         refuse_invalid(checkpoint)
 
-    def plan(self, checkpoint: Checkpoint, *, max_shard_bytes: int | None = None) -> CheckpointPlan:
-        """The complete plan for one checkpoint `admit` let through: every tensor, the shards, the new config."""
+    def plan(self, checkpoint: Checkpoint, *, max_shard_bytes: int | None = None,
+             dequantize: bool = False) -> CheckpointPlan:
+        """The complete plan for one checkpoint `admit` let through: every tensor, the shards, the new config.
+        `dequantize`: its quantized weights written as plain float, without quantization_config (dequantize.py)."""
         spec = checkpoint.spec
         warnings = self.check(spec, source=str(checkpoint.path))
         tensors = list(self._plan_tensors(checkpoint))
+        config = self.rewrite_config(checkpoint.config, spec)
+        if dequantize:
+            refuse_undequantizable(spec, source=str(checkpoint.path))
+            tensors, config = dequantized(tensors, checkpoint, layout=self.name), without_quantization(config)
         shards, indexed = plan_shards(tensors, source_files=[s.file.name for s in checkpoint.shards],
                                       indexed=checkpoint.indexed, max_shard_bytes=max_shard_bytes)
         shards = mark_unchanged(shards, checkpoint.shards)
         metadata = dict(checkpoint.shards[0].metadata) if checkpoint.shards else {}
         metadata.setdefault("format", "pt")
-        return CheckpointPlan(role=spec.role, layout=self.name, layout_options=dict(self.options),
-                              config=self.rewrite_config(checkpoint.config, spec),
+        return CheckpointPlan(role=spec.role, layout=self.name, layout_options=dict(self.options), config=config,
                               shards=shards, indexed=indexed, side_files=checkpoint.side_files,
-                              metadata=metadata, warnings=tuple(warnings))
+                              metadata=metadata, warnings=tuple(warnings), dequantized=dequantize)
 
     def rewrite_config(self, config: Any, spec: ModelSpec) -> dict[str, Any]:
         """config.json with the geometry keys replaced, `per_layer_config` and any dual keys gone; the rest kept."""

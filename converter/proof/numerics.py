@@ -20,7 +20,7 @@ from ..plan import SourceSlice
 from ..read.checkpoint import Checkpoint
 from ..read.safetensors_header import TensorRef
 from ..read.tensor_reader import read_range
-from ..transforms import decode, pad_head_rows, replicate_kv_heads, torch_dtype, unpack_signed_codes
+from ..transforms import decode, expand_scale, pad_head_rows, replicate_kv_heads, torch_dtype, unpack_signed_codes
 from .checks import LayerCheck
 from .reference import (AttentionOutput, LayerSpec, assistant_forward, assistant_spec_from_config, attention_block,
                         compare_outputs, rms_norm, text_spec_from_config)
@@ -60,16 +60,6 @@ def dequantize(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return result
 
 
-def expand_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """A weight scale broadcast to the weight's shape: block scales [ceil(out/br), ceil(in/bc)] repeat over their
-    blocks (the last block may be partial); per-row and per-tensor scales broadcast as they are."""
-    scale = scale.float()
-    if scale.dim() != 2 or len(shape) != 2 or scale.shape[1] == 1:
-        return scale
-    rows, columns = -(-shape[0] // scale.shape[0]), -(-shape[1] // scale.shape[1])
-    return scale.repeat_interleave(rows, dim=0)[:shape[0]].repeat_interleave(columns, dim=1)[:, :shape[1]]
-
-
 def layer_attention_weights(checkpoint: Checkpoint, layer: int, device: torch.device) -> dict[str, torch.Tensor]:
     """q/k/v/o/norm weights of one layer named like the reference expects (a fused qkv_proj arrives split,
     fp8 weights arrive dequantized)."""
@@ -103,19 +93,40 @@ class OnDemandWeights(_View):
     The assistant runs three times (truth, floor, converted); holding all its weights in the truth dtype would be
     1.9 GB (fp32) or 3.8 GB (fp64) for the 31B assistant. Looked up one at a time, the peak is the largest layer's
     weights; the vocabulary table comes as row blocks (RowBlocks, reference.vocab_logits). Integer tensors are not
-    cast.
+    cast. A quantized weight is named and returned as the model uses it, `X.weight` dequantized (`dequantize`).
     """
 
     def __init__(self, checkpoint: Checkpoint, *, device: torch.device, dtype: torch.dtype):
-        self._source, self._device, self._dtype = checkpoint.tensors, device, dtype
+        self._stored, self._device, self._dtype = checkpoint.tensors, device, dtype
+        self._source = _weight_names(checkpoint.tensors)
 
     def __getitem__(self, name: str) -> torch.Tensor | RowBlocks:
-        ref = self._source[name]
+        stored = self._source[name]
+        if len(stored) > 1:
+            parts = {part: _load(SourceSlice.whole(self._stored[part]), self._device) for part in stored}
+            return dequantize(parts)[name].to(self._dtype)
+        ref = self._stored[name]
         if ref.dtype in ("I64", "I32"):
             return _load(SourceSlice.whole(ref), self._device)
         if name.endswith(VOCAB_TABLES) and len(ref.shape) == 2:
             return RowBlocks(ref, device=self._device, dtype=self._dtype)
         return _load(SourceSlice.whole(ref), self._device).to(self._dtype)
+
+
+_QUANTIZATION_PARTS = (".weight_scale", ".weight_shape", ".weight_zero_point", ".input_scale")
+
+
+def _weight_names(stored: Mapping[str, TensorRef]) -> dict[str, tuple[str, ...]]:
+    """The model's weight names -> the stored tensors each is made of: `X.weight_packed` (+ scale, shape) or an
+    fp8 / int8 `X.weight` beside its `X.weight_scale` are one `X.weight`; other tensors are themselves."""
+    names: dict[str, tuple[str, ...]] = {}
+    for name in stored:
+        if name.endswith(".weight_packed"):
+            stem = name[:-len("_packed")]
+            names[stem] = tuple(part for part in (name, stem + "_scale", stem + "_shape") if part in stored)
+        elif not name.endswith(_QUANTIZATION_PARTS):
+            names[name] = (name, name + "_scale") if name + "_scale" in stored else (name,)
+    return names
 
 
 VOCAB_TABLES = ("embed_tokens.weight", "lm_head.weight")

@@ -102,7 +102,7 @@ def check_structure(source: Checkpoint, output: Checkpoint, *, role: str,
         return [Problem(role, f"{output.path} has no conversion.json from gemma4-convert")], 0, 0
     layout = layout_from_manifest(manifest)
     layout.admit(source)
-    expected = layout.plan(source)
+    expected = layout.plan(source, dequantize=manifest.get("dequantized") is True)
     planned = {t.name: t for t in expected.tensors}
     actual = output.tensors
     for name in sorted(planned.keys() - actual.keys()):
@@ -171,14 +171,13 @@ def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, Tens
                 on_bytes(piece.nbytes)
                 continue
             reader = reader or MappedFile(shard.file)
-            if piece.ref.file not in source_readers:
-                source_readers[piece.ref.file] = MappedFile(piece.ref.file)
-            source_reader = source_readers[piece.ref.file]
+            source_reader = _reader(source_readers, piece.ref.file)
             if tensor.is_copy:
                 equal = all(_equal(got, want) for got, want in zip(reader.blocks(ref.offset, ref.nbytes),
                                                                    source_reader.blocks(piece.offset, piece.nbytes)))
             else:
-                want = render_transform(tensor, source_reader.read(piece.offset, piece.nbytes))
+                companions = [_reader(source_readers, c.ref.file).read(c.offset, c.nbytes) for c in tensor.companions]
+                want = render_transform(tensor, source_reader.read(piece.offset, piece.nbytes), companions=companions)
                 equal = _equal(reader.read(ref.offset, ref.nbytes), want)
             if not equal:
                 what = "bytes differ from the source" if tensor.is_copy else \
@@ -190,6 +189,12 @@ def _check_bytes(source: Checkpoint, output: Checkpoint, planned: dict[str, Tens
     for source_reader in source_readers.values():
         source_reader.close()
     return copied, transformed, problems
+
+
+def _reader(readers: dict[Path, MappedFile], path: Path) -> MappedFile:
+    if path not in readers:
+        readers[path] = MappedFile(path)
+    return readers[path]
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -24,8 +24,9 @@ from .synthetic import (PRESETS, Preset, as_qat_assistant, calm_attention, dequa
 LAYOUTS = ("per-layer", "pad-global")
 VARIANTS = (ORIGINAL, *LAYOUTS)
 FLAT_KEYS_ONLY = "per-layer-flat-keys-only"  # per-layer --flat-keys-only (the bare flat keys)
+DEQUANTIZE_ASSISTANT = "per-layer-dequantize-assistant"  # per-layer --dequantize-assistant (a quantized assistant)
 CONVERSIONS = {"per-layer": ("per-layer",), FLAT_KEYS_ONLY: ("per-layer", "--flat-keys-only"),
-               "pad-global": ("pad-global",)}
+               "pad-global": ("pad-global",), DEQUANTIZE_ASSISTANT: ("per-layer", "--dequantize-assistant")}
 LEGACY_TRANSFORMERS = "5.14.1"
 NEWEST = "newest"  # the newest transformers 5.x the package index serves when the env is built
 FP8_BLOCK = (8, 8)
@@ -56,6 +57,11 @@ class Source:
     # the assistant's decoder projections compressed-tensors W4A16 beside a bf16 target, as community quantized
     # assistants are published: stock vLLM's loader refuses the pair (the row records its words, scope "assistant")
     w4a16_assistant: bool = False
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """ORIGINAL and what the 0.27.0 rows convert it into: its layouts (and a quantized assistant dequantized)."""
+        return (ORIGINAL, *self.layouts, *((DEQUANTIZE_ASSISTANT,) if self.w4a16_assistant else ()))
 
     @property
     def preset_shape(self) -> Preset:
@@ -269,8 +275,7 @@ _BOTH = (LEGACY_TRANSFORMERS, NEWEST)
 # under both transformers generations, plus the per_layer_config source there and the KV-shared E2B pair.
 # CI's live subset: the 31B multimodal pair in every variant on 0.27.0 under both generations, and the control.
 LOADER_ROWS: tuple[LoaderRow, ...] = tuple(
-    [LoaderRow(s, v, "0.27.0", t, ci=(s == _CI_SOURCE)) for s in SOURCES for v in (ORIGINAL, *SOURCES[s].layouts)
-     for t in _BOTH]
+    [LoaderRow(s, v, "0.27.0", t, ci=(s == _CI_SOURCE)) for s in SOURCES for v in SOURCES[s].variants for t in _BOTH]
     + [LoaderRow(_CI_SOURCE, FLAT_KEYS_ONLY, "0.27.0", t) for t in _BOTH]
     + [LoaderRow(_CI_SOURCE, MIXED, "0.27.0", LEGACY_TRANSFORMERS, ci=True)]
     + [LoaderRow(s, v, "0.27.0", t) for t in ("5.15.0", "5.19.0")
@@ -289,6 +294,9 @@ LOADER_ROWS += tuple(
         for r in RELEASES for t in r.transformers
         for s in RELEASE_SOURCES + (FORM_SOURCES if r is RELEASES[-1] else ()) for v in VARIANTS)
     if row.id not in {known.id for known in LOADER_ROWS})
+# a quantized assistant, dequantized, on the newest release too (its quantized original is refused on 0.27.0)
+LOADER_ROWS += tuple(LoaderRow("31b-w4a16-assistant", DEQUANTIZE_ASSISTANT, RELEASES[-1].vllm, t,
+                               package=RELEASES[-1].package) for t in RELEASES[-1].transformers)
 
 
 def engine_transformers(release: Release) -> tuple[str, ...]:
@@ -341,8 +349,8 @@ def build_loader_case(name: str, root: Path, *, variants: tuple[str, ...] | None
         as_qat_assistant(original / "assistant")
     built = {ORIGINAL: original}
     for variant, (layout, *options) in CONVERSIONS.items():
-        wanted = (variants is None or variant in variants) and layout in source.layouts
-        if not wanted or (variant == FLAT_KEYS_ONLY and name != _CI_SOURCE):
+        built_here = variant in source.variants or (variant == FLAT_KEYS_ONLY and name == _CI_SOURCE)
+        if not built_here or (variants is not None and variant not in variants):
             continue
         convert_pair(original, root / name / variant, layout, *options)
         built[variant] = root / name / variant

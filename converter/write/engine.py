@@ -48,17 +48,19 @@ def rewrite_shard(shard: ShardPlan, path: Path, *, metadata: Mapping[str, str], 
     """write_shard of one rewritten shard, its source files opened for it alone."""
     with ExitStack() as stack:
         sources = {source: stack.enter_context(closing(SourceFile(source)))
-                   for source in dict.fromkeys(tensor.source.ref.file for tensor in shard.tensors)}
+                   for source in dict.fromkeys(piece.ref.file for tensor in shard.tensors
+                                               for piece in (tensor.source, *tensor.companions))}
         render = None if all(tensor.is_copy for tensor in shard.tensors) else _render_transform
         return write_shard(path, shard, metadata=dict(metadata), sources=sources, render=render, on_bytes=on_bytes,
                            hashed=hashed, buffers=buffers, render_threads=render_threads)
 
 
-def _render_transform(tensor: TensorPlan, raw: memoryview, out: memoryview) -> memoryview:
+def _render_transform(tensor: TensorPlan, raw: memoryview, out: memoryview, companions: list[memoryview]
+                      ) -> memoryview:
     """transforms.render_transform, imported by the render threads at their first tensor: torch takes ~1 s to import
     (the pipeline starts that import in the background), and the untouched tensors before it need not wait for it."""
     from ..transforms import render_transform
-    return render_transform(tensor, raw, out)
+    return render_transform(tensor, raw, out, companions)
 
 
 def place_whole(shard: ShardPlan, directory: Path, *, link: str, expected_size: int, hashed: bool,

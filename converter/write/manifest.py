@@ -41,6 +41,7 @@ def manifest_document(plan: CheckpointPlan, source: Checkpoint, *, source_hashes
         "output": {"files": dict(output_hashes), "sizes": dict(output_sizes), "made": dict(made), "link": link, "hashed": hashed,
                    "total_size": plan.total_size},
         "tensors": [_tensor_record(t) for t in plan.tensors],
+        **({"dequantized": True} if plan.dequantized else {}),  # --dequantize-assistant (verify re-plans with it)
     }
 
 
@@ -52,4 +53,6 @@ def _tensor_record(tensor: TensorPlan) -> dict[str, Any]:
     if tensor.transform:
         record["transform"] = tensor.transform
         record["params"] = dict(tensor.params)
+    if tensor.companions:
+        record["companions"] = [piece.ref.name for piece in tensor.companions]
     return record

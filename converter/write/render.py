@@ -84,11 +84,14 @@ class _RenderAhead:
         # 3.5 s the GIL was held in a pad-global conversion of the 7.7 GB pair), a mapping faults its pages in
         # during the read, which releases it
         raw, into = self._buffers.get(tensor.source.nbytes), self._buffers.get(tensor.nbytes)
+        companions = [self._buffers.get(piece.nbytes) for piece in tensor.companions]
         try:
-            self._sources[tensor.source.ref.file].read_at(tensor.source.offset, raw)
-            return self._render(tensor, raw, into), into
+            for piece, buffer in zip((tensor.source, *tensor.companions), (raw, *companions)):
+                self._sources[piece.ref.file].read_at(piece.offset, buffer)
+            return self._render(tensor, raw, into, companions), into
         finally:
-            self._buffers.put(raw)  # reusable at once: a render's result is never a view of its source bytes
+            for buffer in (raw, *companions):
+                self._buffers.put(buffer)  # reusable at once: a render's result is never a view of its source bytes
 
     def pieces(self, index: int) -> Iterator[memoryview]:
         """The rendered bytes of shard.tensors[index], piece by piece (each waited for; valid until the next is

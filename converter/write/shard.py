@@ -49,6 +49,6 @@ def write_shard(path: Path, shard: ShardPlan, *, metadata: dict[str, str], sourc
                     produced += len(data)
                 if produced != tensor.nbytes:
                     raise RuntimeError(f"{tensor.name}: transform produced {produced} bytes, planned {tensor.nbytes}")
-                on_bytes(tensor.source.nbytes)
+                on_bytes(tensor.read_nbytes)
             out.finish()
     return out.sha256.hexdigest() if out.sha256 is not None else None
