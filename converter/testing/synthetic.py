@@ -921,8 +921,10 @@ def calm_attention(checkpoint_dir: str | Path, factor: float = CALM_QK_NORM) -> 
     return touched
 
 
-def write_engine_pair(out_dir: str | Path, *, preset: str = "31b", **kwargs) -> tuple[Path, Path]:
-    """write_pair with engine_preset(preset) and scale_for_engine on the target (kwargs go to write_pair)."""
-    target, assistant = write_pair(out_dir, preset=engine_preset(preset), **kwargs)
+def write_engine_pair(out_dir: str | Path, *, preset: str | Preset = "31b", **kwargs) -> tuple[Path, Path]:
+    """write_pair with engine_preset(preset) (or the Preset given) and scale_for_engine on the target (kwargs go to
+    write_pair)."""
+    target, assistant = write_pair(out_dir, preset=engine_preset(preset) if isinstance(preset, str) else preset,
+                                   **kwargs)
     scale_for_engine(target)
     return target, assistant
