@@ -15,7 +15,7 @@ import math
 from typing import Any, Iterable, Mapping
 
 from .errors import InputError, UsageError
-from .gemma4 import ModelSpec
+from .gemma4 import ModelSpec, text_config_of
 from .plan import TensorPlan
 from .quantization import COMPRESSED_TENSORS, PACK_QUANTIZED, weight_scheme
 from .read.checkpoint import Checkpoint
@@ -111,7 +111,7 @@ def _plain_dtype(checkpoint: Checkpoint) -> str:
 def without_quantization(config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json without its quantization_config (top level and text_config): the weights are plain float now."""
     new = copy.deepcopy(dict(config))
-    new.pop("quantization_config", None)
-    if isinstance(new.get("text_config"), dict):
-        new["text_config"].pop("quantization_config", None)
+    for holder in (new, text_config_of(new)):
+        if isinstance(holder, dict):
+            holder.pop("quantization_config", None)
     return new

@@ -206,8 +206,8 @@ def test_untouched_tensors_are_never_decoded(pair, tmp_path, monkeypatch):
     from converter import pipeline, transforms
     calls = []
     original = transforms.render_transform
-    monkeypatch.setattr(transforms, "render_transform", lambda tensor, raw, out=None: calls.append(tensor.name) or
-                        original(tensor, raw, out))
+    monkeypatch.setattr(transforms, "render_transform", lambda tensor, raw, out=None, companions=(): calls.append(tensor.name)
+                        or original(tensor, raw, out, companions))
     plan = pipeline.plan_conversion(pipeline.ConvertRequest(out=tmp_path / "o", layout="pad-global",
                                                             target=pair / "target", assistant=pair / "assistant"))
     pipeline.execute(plan)

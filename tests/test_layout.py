@@ -20,7 +20,7 @@ STAGES: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("", "errors", "gemma4", "quantization"),),
     (("read",),),
     (("validate",),),  # every "is this checkpoint what its config says" check: after read, before plan
-    (("plan", "transforms", "layouts", "pairing", "cost", "parallel"),),
+    (("plan", "dequantize", "transforms", "layouts", "pairing", "cost", "parallel"),),
     (("write",),),
     (("proof",), ("advice",)),  # one stage, two rooms that must not lean on each other
     (("hub",),),

@@ -155,7 +155,7 @@ def test_write_shard_copies_ranges_and_renders_the_rest(tmp_path, small_blocks):
     shard = dataclasses.replace(shard, tensors=shard.tensors[:2] + (transformed,) + shard.tensors[3:])
     digest = write_shard(tmp_path / "out.safetensors", shard, metadata={},
                                 sources={path: sequential.SourceFile(path)},
-                                render=lambda t, raw, out: memoryview(bytes(raw[::-1])), on_bytes=lambda n: None)
+                                render=lambda t, raw, out, companions: memoryview(bytes(raw[::-1])), on_bytes=lambda n: None)
     written = (tmp_path / "out.safetensors").read_bytes()
     header = headers.shard_header(shard, {})
     pieces = [data[t.source.offset:t.source.offset + t.source.nbytes] for t in shard.tensors]
@@ -163,7 +163,7 @@ def test_write_shard_copies_ranges_and_renders_the_rest(tmp_path, small_blocks):
     assert written == header + b"".join(pieces) and digest == hashlib.sha256(written).hexdigest()
 
 
-def _reverse_into(tensor, raw: memoryview, out: memoryview) -> memoryview:
+def _reverse_into(tensor, raw: memoryview, out: memoryview, companions: list) -> memoryview:
     out[:] = bytes(raw)[::-1]
     return out
 
@@ -193,7 +193,7 @@ def test_read_errors_surface_and_no_thread_is_left(tmp_path, small_blocks):
     before = threading.active_count()
     with pytest.raises(InputError, match="ended .* bytes early"):
         write_shard(tmp_path / "a.safetensors", _shard(path, [15_000, 9000]), metadata={},
-                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(bytes(raw)),
+                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out, companions: memoryview(bytes(raw)),
                            on_bytes=lambda n: None)
     assert threading.active_count() == before
 
@@ -207,7 +207,7 @@ def test_an_interrupted_shard_stops_every_thread(tmp_path, small_blocks):
 
     with pytest.raises(KeyboardInterrupt):
         write_shard(tmp_path / "b.safetensors", _shard(path, [40_000]), metadata={},
-                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out: memoryview(bytes(raw)),
+                           sources={path: sequential.SourceFile(path)}, render=lambda t, raw, out, companions: memoryview(bytes(raw)),
                            on_bytes=fail)
     assert threading.active_count() == before
 
