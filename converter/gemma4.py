@@ -46,7 +46,6 @@ class Role(str, Enum):
         return "" if self is Role.SINGLE else self.value
 
 
-ROLE_TARGET, ROLE_ASSISTANT = Role.TARGET, Role.ASSISTANT
 
 DIALECT_LEGACY = "legacy"
 DIALECT_PER_LAYER = "per_layer_config"
@@ -215,7 +214,7 @@ class ModelSpec:
 
     @property
     def kind(self) -> str:
-        if self.role == ROLE_ASSISTANT:
+        if self.role == Role.ASSISTANT:
             return f"MTP assistant ({self.model_type})"
         return f"Gemma 4 target ({'multimodal' if self.multimodal else 'text-only'} {self.model_type})"
 
@@ -247,13 +246,13 @@ def read_spec(config: Mapping[str, Any], *, source: str, hf_quant_config: Any = 
     """
     model_type = config.get("model_type")
     if model_type in ASSISTANT_MODEL_TYPES:
-        role, multimodal = ROLE_ASSISTANT, False
+        role, multimodal = Role.ASSISTANT, False
     elif isinstance(model_type, str) and model_type in TARGET_MODEL_TYPES:
-        role, multimodal = ROLE_TARGET, TARGET_MODEL_TYPES[model_type] == "multimodal"
+        role, multimodal = Role.TARGET, TARGET_MODEL_TYPES[model_type] == "multimodal"
     else:
         known = ", ".join((*TARGET_MODEL_TYPES, *ASSISTANT_MODEL_TYPES))
         raise InputError(f"{source}: model_type {model_type!r} is not Gemma 4 (expected one of {known})")
-    nested = role == ROLE_ASSISTANT or multimodal
+    nested = role == Role.ASSISTANT or multimodal
     if nested and not isinstance(config.get("text_config"), Mapping):
         raise InputError(f"{source}: model_type {model_type!r} needs a `text_config` object")
     text = text_config_of(config)
@@ -334,7 +333,7 @@ def _read_attention(text: Mapping[str, Any], *, role: str, source: str) -> tuple
     if not isinstance(shared, int) or not 0 <= shared <= len(layer_types):
         raise InputError(f"{source}: num_kv_shared_layers must be an integer in [0, {len(layer_types)}], "
                          f"got {shared!r}")
-    if role == ROLE_ASSISTANT:
+    if role == Role.ASSISTANT:
         shared = len(layer_types)  # every assistant layer reads the target's KV (Gemma4AssistantConfig.__post_init__)
     window = text.get("sliding_window")
     return dialect, AttentionConfig(

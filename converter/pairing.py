@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import UnsupportedLayoutError
-from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, ModelSpec
+from .gemma4 import ModelSpec, Role
 from .layouts import Layout, get_layout
 from .parallel import DEFAULT_TP_SIZES, rank_geometry, tp_problems
 
@@ -71,9 +71,9 @@ def check_pair(target: ModelSpec, assistant: ModelSpec, *, target_manifest: Mapp
     serves with these sizes, so one vLLM refuses for the target's geometry is a problem too.
     """
     problems: list[str] = []
-    if target.role != ROLE_TARGET:
+    if target.role != Role.TARGET:
         problems.append(f"the target is a {target.kind}, not a target")
-    if assistant.role != ROLE_ASSISTANT:
+    if assistant.role != Role.ASSISTANT:
         problems.append(f"the assistant is a {assistant.kind}, not an MTP assistant")
     if problems:
         return PairReport(shares=(), problems=tuple(problems))

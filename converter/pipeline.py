@@ -19,7 +19,7 @@ from .advice.pitfalls import q4_0_grid_notes, quantized_assistant_refusal, servi
 from .advice.serving import NO_CONVERSION, Decision, ServingEnv, decide, serving_notes, shape_of
 from .cost import KvCost, human_bytes, kv_costs
 from .errors import InputError, OutputError, UnsupportedLayoutError, UsageError
-from .gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role
+from .gemma4 import Role
 from .hub.download import (ASSISTANT_SUFFIX, LocalSource, fetch_weights, open_checkpoint, parse_repo_ref,
                            published_assistant, resolve_source)
 from .layouts import Layout, default_layout, get_layout
@@ -112,7 +112,7 @@ class ConversionPlan:
 
     def kv_costs(self) -> tuple[KvCost, ...]:
         """The target's KV cache per token, source and output (one output geometry per layout)."""
-        target = self.item(ROLE_TARGET)
+        target = self.item(Role.TARGET)
         if target is None:
             return ()
         attention = target.source.spec.attention
@@ -151,21 +151,21 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
     dequantizing = _dequantized_roles(checkpoints, request)
     for role, checkpoint in checkpoints.items():
         layout.admit(checkpoint)  # validate -> pair -> plan: inspect's first problem is convert's refusal
-        if checkpoint.spec.role == ROLE_ASSISTANT and role not in dequantizing:  # said before writing, as inspect
+        if checkpoint.spec.role == Role.ASSISTANT and role not in dequantizing:  # said before writing, as inspect
             warnings.extend(serving_pitfalls(checkpoint.config, checkpoint.spec))  # says it (a quantized draft)
     pair = None
-    if ROLE_TARGET in checkpoints and ROLE_ASSISTANT in checkpoints:
-        pair = check_pair(checkpoints[ROLE_TARGET].spec, checkpoints[ROLE_ASSISTANT].spec)
+    if Role.TARGET in checkpoints and Role.ASSISTANT in checkpoints:
+        pair = check_pair(checkpoints[Role.TARGET].spec, checkpoints[Role.ASSISTANT].spec)
         if not pair.ok:
-            raise InputError(f"{checkpoints[ROLE_ASSISTANT].path} cannot serve with {checkpoints[ROLE_TARGET].path}: "
+            raise InputError(f"{checkpoints[Role.ASSISTANT].path} cannot serve with {checkpoints[Role.TARGET].path}: "
                              + "; ".join(pair.problems))
         warnings.extend(pair.notes)
     elif layout.pair_must_match:
         role = next(iter(checkpoints.values())).spec.role
-        other = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET
+        other = Role.ASSISTANT if role == Role.TARGET else Role.TARGET
         warnings.append(f"{layout.name} converted only the {role}: its {other} MUST get the same {layout.name} "
                         f"conversion, or the pair computes garbage (gemma4-convert check-pair will flag it)")
-    elif next(iter(checkpoints.values())).spec.role == ROLE_ASSISTANT:
+    elif next(iter(checkpoints.values())).spec.role == Role.ASSISTANT:
         warnings.append(f"{layout.name} converted only the assistant: convert its target the same way "
                         f"(--target T --layout {layout.name}); a vLLM that needs this assistant converted cannot load "
                         f"the original target either")
@@ -197,7 +197,7 @@ def _dequantized_roles(checkpoints: Mapping[Role, Checkpoint], request: ConvertR
     """The roles --dequantize-assistant rewrites: the assistant's (given as --assistant or as SRC)."""
     if not request.dequantize_assistant:
         return set()
-    roles = {role for role, c in checkpoints.items() if c.spec.role == ROLE_ASSISTANT}
+    roles = {role for role, c in checkpoints.items() if c.spec.role == Role.ASSISTANT}
     if not roles:
         raise UsageError("--dequantize-assistant: no assistant to dequantize; give --assistant A (or an assistant "
                          "as SRC)")
@@ -209,7 +209,7 @@ def _sources(request: ConvertRequest) -> dict[Role, Path]:
         if request.target is not None or request.assistant is not None:
             raise UsageError("give either SRC or --target/--assistant, not both")
         return {Role.SINGLE: request.single}
-    sources = {role: path for role, path in ((ROLE_TARGET, request.target), (ROLE_ASSISTANT, request.assistant))
+    sources = {role: path for role, path in ((Role.TARGET, request.target), (Role.ASSISTANT, request.assistant))
                if path is not None}
     if not sources:
         raise UsageError("nothing to convert: give SRC, or --target and/or --assistant")
@@ -220,7 +220,7 @@ def _check_draft_name(plan: ConversionPlan) -> ConversionPlan:
     """An assistant written where vLLM's serve line would name it as another speculative method's draft is refused
     (pairing.misread_draft_name), or with --any-name written with a warning."""
     for item in plan.items:
-        why = misread_draft_name(str(plan.output_dir(item))) if item.source.spec.role == ROLE_ASSISTANT else None
+        why = misread_draft_name(str(plan.output_dir(item))) if item.source.spec.role == Role.ASSISTANT else None
         if why and not plan.request.any_name:
             raise UsageError(f"--out {plan.request.out}: the assistant's path {why} (or pass --any-name)")
         if why:
@@ -247,8 +247,8 @@ def _check_output(request: ConvertRequest, sources: list[Path]) -> None:
 
 def _is_replaceable(directory: Path) -> bool:
     """--force only ever replaces an empty directory or an earlier output of this tool (never, say, /data)."""
-    manifests = [directory / MANIFEST_NAME, directory / ROLE_TARGET / MANIFEST_NAME,
-                 directory / ROLE_ASSISTANT / MANIFEST_NAME]
+    manifests = [directory / MANIFEST_NAME, directory / Role.TARGET / MANIFEST_NAME,
+                 directory / Role.ASSISTANT / MANIFEST_NAME]
     return not any(directory.iterdir()) or any(path.is_file() for path in manifests)
 
 
@@ -444,7 +444,7 @@ def _pair_published_assistant(job: ConvertJob, sources: dict[Role, LocalSource],
     `opened`; local directories and an assistant given alone are left as they are."""
     role = Role.SINGLE if Role.SINGLE in job.sources else Role.TARGET
     ref = parse_repo_ref(job.sources.get(role, ""))
-    if ref is None or Role.ASSISTANT in job.sources or opened[role].spec.role != ROLE_TARGET:
+    if ref is None or Role.ASSISTANT in job.sources or opened[role].spec.role != Role.TARGET:
         return None
     repo_id, found, checkpoint = published_assistant(ref, api=api)
     if role is Role.SINGLE:
@@ -476,7 +476,7 @@ def _source_serve_line(sources: Mapping[Role, LocalSource], opened: Mapping[Role
     for role, source in sources.items():
         ref = source.repo_id if source.repo_id and source.revision in (None, "main") else str(source.path)
         refs[opened[role].spec.role] = ref
-    return serve_line(target=refs.get(ROLE_TARGET), assistant=refs.get(ROLE_ASSISTANT), layout=None)
+    return serve_line(target=refs.get(Role.TARGET), assistant=refs.get(Role.ASSISTANT), layout=None)
 
 
 def _import_in_background(module: str) -> None:
@@ -498,7 +498,7 @@ def _refuse_tensor_parallel(checkpoints: Mapping[str, Checkpoint], request: Conv
         InputError: the first such division.
     """
     for checkpoint in checkpoints.values():
-        if checkpoint.spec.role != ROLE_TARGET:
+        if checkpoint.spec.role != Role.TARGET:
             continue  # vLLM asserts the target's divisions; the draft's follow the same KV formulas unchecked
         attention = layout.output_attention(checkpoint.spec.attention)
         problems = tp_problems(attention, request.tp, what=f"the {request.layout} output of {checkpoint.path}")
@@ -607,9 +607,9 @@ def _card_writer(plan: ConversionPlan, item: PlannedCheckpoint) -> Callable[[dic
     from .hub.provenance import infer_base_model
 
     name = plan.request.out.absolute().name
-    names = {ROLE_TARGET: name, ROLE_ASSISTANT: name + ASSISTANT_SUFFIX} if item.role is not Role.SINGLE else \
+    names = {Role.TARGET: name, Role.ASSISTANT: name + ASSISTANT_SUFFIX} if item.role is not Role.SINGLE else \
         {item.plan.role: name}
-    partner = names.get(ROLE_ASSISTANT if item.plan.role == ROLE_TARGET else ROLE_TARGET)
+    partner = names.get(Role.ASSISTANT if item.plan.role == Role.TARGET else Role.TARGET)
     kept = next((n for n in (SOURCE_CARD_NAME, CARD_NAME) if n in item.plan.side_files), None)
     source_card = (item.source.path / kept).read_text(encoding="utf-8", errors="replace") if kept else None
 
@@ -636,11 +636,11 @@ def _resolved(digest: PendingSha256 | Future | str | None) -> str | None:
 
 def serve_command(plan: ConversionPlan) -> str:
     """The `vllm serve` line for what was converted, with the output paths."""
-    target, assistant = plan.item(ROLE_TARGET), plan.item(ROLE_ASSISTANT)
+    target, assistant = plan.item(Role.TARGET), plan.item(Role.ASSISTANT)
     if plan.request.single is not None:
         only = plan.items[0]
-        target = only if only.plan.role == ROLE_TARGET else None
-        assistant = only if only.plan.role == ROLE_ASSISTANT else None
+        target = only if only.plan.role == Role.TARGET else None
+        assistant = only if only.plan.role == Role.ASSISTANT else None
     return serve_line(target=str(plan.output_dir(target)) if target else None,
                       assistant=str(plan.output_dir(assistant)) if assistant else None, layout=plan.request.layout,
                       tp=plan.request.tp)

@@ -31,8 +31,8 @@ say "env ready after $((SECONDS - T0)) s: $("$PY" -c 'import vllm, torch, transf
 if [ ! -f "$W/pair/original/assistant/config.json" ]; then
   rm -rf "$W/pair"
   "$PY" "$ROOT/scripts/make_synthetic.py" --preset 31b --num-layers 6 --text-only --dtype bf16 --out "$W/pair/original"
-  # non-degenerate greedy output (converter.testing.synthetic.ENGINE_SCALES; the layouts touch neither tensor)
-  "$PY" -c 'import sys; from converter.testing.synthetic import scale_for_engine; scale_for_engine(sys.argv[1])' "$W/pair/original/target"
+  # non-degenerate greedy output (matrix.synthetic.ENGINE_SCALES; the layouts touch neither tensor)
+  PYTHONPATH="$ROOT/scripts" "$PY" -c 'import sys; from matrix.synthetic import scale_for_engine; scale_for_engine(sys.argv[1])' "$W/pair/original/target"
   for layout in pad-global per-layer; do
     "$W/venv/bin/gemma4-convert" convert --target "$W/pair/original/target" --assistant "$W/pair/original/assistant" \
       --out "$W/pair/$layout" --layout "$layout" | tee "$W/convert-$layout.txt"

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from converter.testing.synthetic import (PRESETS, engine_preset, fp8_quantization_config,  # noqa: E402
+from matrix.synthetic import (PRESETS, engine_preset, fp8_quantization_config,  # noqa: E402
                                          modelopt_nvfp4_config, scale_for_engine, scaled_preset, tiny_preset,
                                          write_checkpoint, write_pair)
 

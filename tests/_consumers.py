@@ -13,9 +13,9 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
-from converter.advice.compat import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
+from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import DRAFT_CONTROLS, ENGINE_SOURCES, ORIGINAL, EnginePair
+from matrix.cases import DRAFT_CONTROLS, ENGINE_SOURCES, ORIGINAL, EnginePair
 
 from _ledger import record, today
 

@@ -20,7 +20,7 @@ import pytest
 
 from converter.cli import main
 from converter.read.checkpoint import INDEX_NAME, MANIFEST_NAME
-from converter.testing.synthetic import scaled_preset, write_pair
+from matrix.synthetic import scaled_preset, write_pair
 from converter.write.staging import PARTIAL_SUFFIX
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from converter.hub.errors import hub_http_client
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.proof.files import manifest_sha256
 from converter.read.checkpoint import INDEX_NAME, VERIFICATION_NAME
-from converter.testing.synthetic import tiny_preset, write_pair
+from matrix.synthetic import tiny_preset, write_pair
 
 httpx = hub_http_client()  # httpx on huggingface_hub 1.x, httpx2 on 2.x
 SHA_MAIN = hashlib.sha1(b"main").hexdigest()

@@ -1,4 +1,4 @@
-"""Recording ledger rows from the loader and engine tests, for `make compat` (scripts/compat.py).
+"""Recording ledger rows from the loader and engine tests, for `make compat` (scripts/run_ledger.py).
 
 GEMMA4_LEDGER_ROWS=FILE: every checked row whose test passed is appended to FILE (JSON lines of LedgerRow).
 GEMMA4_LEDGER_REUSE=1: a row whose key, output digest and environment (vLLM, transformers, torch) equal a row of
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import LedgerRow, load_ledger, row_from_dict
+from converter.advice.ledger import LedgerRow, load_ledger, row_from_dict
 
 ROWS_VAR = "GEMMA4_LEDGER_ROWS"
 REUSE_VAR = "GEMMA4_LEDGER_REUSE"

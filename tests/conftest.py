@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from converter.cli import main
-from converter.testing.synthetic import tiny_preset, write_checkpoint, write_pair
+from matrix.synthetic import tiny_preset, write_checkpoint, write_pair
 
 from _checkout import checkout_changes
 
@@ -131,7 +131,7 @@ def _built_once(build, tmp_path_factory, folder: str):
 def engine_case(tmp_path_factory):
     """cases.build_engine_case(NAME), built once per session: the engine and the consumer tests read the same pairs
     (and never modify them)."""
-    from converter.testing.cases import build_engine_case
+    from matrix.cases import build_engine_case
 
     return _built_once(build_engine_case, tmp_path_factory, "engine")
 
@@ -140,6 +140,6 @@ def engine_case(tmp_path_factory):
 def loader_case(tmp_path_factory):
     """cases.build_loader_case(NAME): variant -> directory, built once per session: the vLLM loader and the SGLang
     tests read the same pairs (and never modify them)."""
-    from converter.testing.cases import build_loader_case
+    from matrix.cases import build_loader_case
 
     return _built_once(build_loader_case, tmp_path_factory, "loader")

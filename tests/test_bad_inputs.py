@@ -29,7 +29,7 @@ from _helpers_robustness import (TARGET_SHARDS, Pair, copy_pair, error_lines, ha
                                  tensors_by_offset)
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.read.checkpoint import INDEX_NAME
-from converter.testing.synthetic import (fp8_quantization_config, modelopt_nvfp4_config, scaled_preset, tiny_preset,
+from matrix.synthetic import (fp8_quantization_config, modelopt_nvfp4_config, scaled_preset, tiny_preset,
                                          write_checkpoint)
 from converter.gemma4 import text_config_of
 

@@ -1,5 +1,5 @@
 """Every compressed-tensors scheme the published Gemma 4 checkpoints use, written by compressed-tensors itself
-(its preset schemes, its format inference, its compressors: converter.testing.synthetic.preset_quantization_config /
+(its preset schemes, its format inference, its compressors: matrix.synthetic.preset_quantization_config /
 compress_weight), on 31B geometry with the real head sizes (256 sliding, 512 full; k_eq_v full layers without
 v_proj): per-layer keeps every byte; pad-global moves codes and scales so that the dequantized output equals the
 exact transform of the dequantized source, bit for bit, with padding that dequantizes to exactly zero and nothing
@@ -21,7 +21,7 @@ import torch
 
 from _checkpoints import load_tensors, read_config, same_bytes
 from converter.proof.numerics import dequantize
-from converter.testing.synthetic import (config_scheme, fp8_quantization_config, int8_quantization_config,
+from matrix.synthetic import (config_scheme, fp8_quantization_config, int8_quantization_config,
                                          tiny_preset, w4a16_quantization_config, write_pair)
 from converter.transforms import pad_head_columns, pad_head_rows, replicate_kv_heads
 

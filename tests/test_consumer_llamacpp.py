@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import FAIL, PASS, LedgerRow
+from converter.advice.ledger import FAIL, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import (DRAFT_CONTROLS, LLAMACPP, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS, MIXED, ORIGINAL,
+from matrix.cases import (DRAFT_CONTROLS, LLAMACPP, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS, MIXED, ORIGINAL,
                                      draft_control_pairs)
 
 from _consumer_envs import consumer_python

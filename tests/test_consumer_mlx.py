@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from converter.advice.compat import FAIL, NOT_RUN, PASS, LedgerRow
+from converter.advice.ledger import FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import (DRAFT_CONTROLS, MLX_DRAFT_SOURCES, MLX_DRAFTING_SOURCES, MLX_LM, MLX_SOURCES,
+from matrix.cases import (DRAFT_CONTROLS, MLX_DRAFT_SOURCES, MLX_DRAFTING_SOURCES, MLX_LM, MLX_SOURCES,
                                      MLX_TRANSFORMERS, MLX_VLM, MLX_VLM_TRANSFORMERS, ORIGINAL, draft_control_pairs)
 
 from _consumer_envs import consumer_python

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import pytest
 
-from converter.advice.compat import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
+from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import (ORIGINAL, SGLANG_DRAFT_SOURCES, SGLANG_LIMITS, SGLANG_RELEASES, SGLANG_SOURCES,
+from matrix.cases import (ORIGINAL, SGLANG_DRAFT_SOURCES, SGLANG_LIMITS, SGLANG_RELEASES, SGLANG_SOURCES,
                                      SOURCES)
 
 from _consumer_envs import consumer_python

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 
-from converter.advice.compat import CHECK_CONSUMER, FAIL, PASS, LedgerRow
+from converter.advice.ledger import CHECK_CONSUMER, FAIL, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, ENGINE_SOURCES, ORIGINAL,
+from matrix.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, ENGINE_SOURCES, ORIGINAL,
                                      TRANSFORMERS_LIMITS)
 
 from _consumers import assert_varied, max_diff, record_as_expected, run_check, variants
@@ -115,7 +115,8 @@ def test_the_judge_can_fail():
 
 @pytest.mark.parametrize("layout", ["per-layer", "pad-global"])
 def test_the_card_lists_what_each_consumer_proved_for_its_layout(layout, tmp_path):
-    from converter.advice.compat import consumer_table, load_ledger
+    from converter.advice.ledger import load_ledger
+    from converter.advice.tables import consumer_table
     from converter.hub.card import render_card
 
     proven = [c for c in consumer_table(load_ledger()) if c[layout]["rows"]]

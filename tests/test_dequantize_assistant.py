@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from converter.advice.ledger import load_ledger
-from converter.testing.cases import CONVERSIONS, DEQUANTIZE_ASSISTANT, build_loader_case
-from converter.testing.synthetic import config_scheme, fp8_quantization_config, tiny_preset, write_pair
+from matrix.cases import CONVERSIONS, DEQUANTIZE_ASSISTANT, build_loader_case
+from matrix.synthetic import config_scheme, fp8_quantization_config, tiny_preset, write_pair
 
 CASE = "31b-w4a16-assistant"
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from converter.advice.compat import load_ledger
+from converter.advice.ledger import load_ledger
 
 from _hub_fakes import ASSISTANT_REPO, TARGET_REPO
 

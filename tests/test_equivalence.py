@@ -52,6 +52,7 @@ from transformers.models.gemma4_assistant.configuration_gemma4_assistant import 
 from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
 
 from converter.proof import reference as ref
+from matrix import text_model
 from converter.transforms import pad_head_columns, pad_head_norm, pad_head_rows, replicate_kv_heads
 
 S, F_ = "sliding_attention", "full_attention"
@@ -276,8 +277,8 @@ def run_target(config, state, dtype, ids, *, impl: str):
     if impl == "reference":
         weights = ref.sub_weights(bf16(state) if dtype == torch.bfloat16 else state, "model.")
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
-        out = ref.text_forward(weights, spec=spec_of(config), input_ids=ids)
-        embeds = ref.scaled_embedding(ids[:, -1:], weights["embed_tokens.weight"], scale=config.hidden_size ** 0.5)
+        out = text_model.text_forward(weights, spec=spec_of(config), input_ids=ids)
+        embeds = text_model.scaled_embedding(ids[:, -1:], weights["embed_tokens.weight"], scale=config.hidden_size ** 0.5)
         return out.logits, ref.assistant_inputs(embeds, out.hidden[:, -1:]), out.shared_kv
     model = build_target(config, state, dtype)
     with torch.no_grad():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from converter.read.sequential import HASH_IN_CHILD_BYTES
-from converter.testing.synthetic import tiny_preset, write_pair
+from matrix.synthetic import tiny_preset, write_pair
 from converter.gemma4 import text_config_of
 
 from _helpers_robustness import run_console_script

@@ -2,7 +2,7 @@
 answered by 12B rows only, a geometry no row has says so, QAT weights are told what pad-global does to their Q4_0
 grid, and a quantized assistant gets the ledger's measured refusal instead of a serve line.
 
-Every pair is converter/testing/cases.py's, as the ledger's rows were measured on it.
+Every pair is scripts/matrix/cases.py's, as the ledger's rows were measured on it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from safetensors import safe_open
 
 from converter.advice.ledger import SCOPE_ASSISTANT, load_ledger
 from converter.gemma4 import RELEASED_KV_GEOMETRY
-from converter.testing.cases import SOURCES, build_loader_case
-from converter.testing.synthetic import PRESETS, on_q4_0_grid, tiny_preset, write_pair
+from matrix.cases import SOURCES, build_loader_case
+from matrix.synthetic import PRESETS, on_q4_0_grid, tiny_preset, write_pair
 
 FORMS = ("12b-unified", "31b-qat-q4_0", "31b-w4a16-assistant", "31b-mm-2shards")
 PADDED_O_PROJ = "model.language_model.layers.0.self_attn.o_proj.weight"

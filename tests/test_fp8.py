@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _checkpoints import load_tensors, read_config, same_bytes
-from converter.testing.synthetic import fp8_quantization_config, tiny_preset, write_pair
+from matrix.synthetic import fp8_quantization_config, tiny_preset, write_pair
 from converter.transforms import pad_head_columns, pad_head_rows, replicate_kv_heads
 
 IGNORED = r"re:.*layers\.1\.self_attn\.o_proj"
@@ -37,7 +37,7 @@ def _dequantized(tensors, module):
         return weight.float()
     if scale.dim() == 2 and scale.shape[1] > 1:  # block scales: compressed-tensors' own dequantize
         from compressed_tensors.quantization.lifecycle.forward import dequantize
-        from converter.testing.synthetic import preset_scheme
+        from matrix.synthetic import preset_scheme
         args = preset_scheme("FP8_BLOCK", block_structure=list(BLOCK)).weights
         return dequantize(weight, scale, None, args, dtype=torch.float32)
     return weight.float() * scale.float()
@@ -172,7 +172,7 @@ def test_fp8_block_config_is_compressed_tensors_fp8_block_preset():
 
 
 def test_fp8_block_scales_are_one_per_block(tmp_path):
-    from converter.testing.synthetic import write_checkpoint
+    from matrix.synthetic import write_checkpoint
     target = write_checkpoint(tmp_path / "t", preset=tiny_preset("31b"), role="target",
                               quantization=fp8_quantization_config("block", block=BLOCK))
     tensors = load_tensors(target)
@@ -260,7 +260,7 @@ def test_pad_global_is_exact_for_blocks_as_tall_as_a_head_or_taller(tmp_path, ru
                      "--out", out, "--layout", "pad-global")
     assert result.code == 0, result.err
     from compressed_tensors.quantization.lifecycle.forward import dequantize
-    from converter.testing.synthetic import preset_scheme
+    from matrix.synthetic import preset_scheme
     scheme = preset_scheme("FP8_BLOCK", block_structure=list(block)).weights
     source, output = load_tensors(tmp_path / "src" / "target"), load_tensors(out / "target")
     for module, heads in (("q_proj", 32), ("k_proj", 16), ("v_proj", 16)):
@@ -279,7 +279,7 @@ def test_128_row_blocks_move_exactly_at_real_head_dims(head_dim):
     codes and scales moved by the pad-global transforms dequantize to the padded original, bit for bit."""
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
     from compressed_tensors.quantization.utils import calculate_qparams
-    from converter.testing.synthetic import preset_scheme
+    from matrix.synthetic import preset_scheme
     from converter.transforms import repeat_rows
 
     heads, hidden = 2, 256

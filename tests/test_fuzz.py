@@ -20,7 +20,7 @@ from converter.errors import InputError
 from converter.gemma4 import read_spec
 from converter.read.checkpoint import INDEX_NAME, read_checkpoint
 from converter.read.safetensors_header import DTYPES, read_header
-from converter.testing.synthetic import assistant_config, target_config
+from matrix.synthetic import assistant_config, target_config
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

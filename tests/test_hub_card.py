@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from converter.advice.compat import NOT_RUN, load_ledger
+from converter.advice.ledger import NOT_RUN, load_ledger
 from converter.advice.ledger import version_key
 from converter.hub.card import render_card
 from converter.pairing import serve_line

@@ -63,7 +63,7 @@ def test_attention_forms_are_named(synthetic_cache, run_cli):
 def test_text_output_and_costs_of_the_real_31b_geometry(tmp_path, run_cli):
     """Headers only, so a full-width 31B target costs nothing to inspect; KV numbers match docs/DESIGN.md section 4."""
     from converter.read.safetensors_header import encode_header
-    from converter.testing.synthetic import scaled_preset, target_config, target_tensors
+    from matrix.synthetic import scaled_preset, target_config, target_tensors
     preset = scaled_preset("31b")  # 60 layers, real widths
     (tmp_path / "config.json").write_text(json.dumps(target_config(preset, dialect="legacy", multimodal=True)))
     entries, offset = {}, 0
@@ -210,7 +210,7 @@ def test_q_only_kv_shared_target_layers_are_predicted_to_fail_in_vllm(synthetic_
 
 def _scheme_problem_target(tmp_path, case: str):
     """A target breaking one of the scheme checks in many places at once; returns (dir, the tensors at fault)."""
-    from converter.testing.synthetic import modelopt_nvfp4_config, scaled_preset, tiny_preset, write_checkpoint
+    from matrix.synthetic import modelopt_nvfp4_config, scaled_preset, tiny_preset, write_checkpoint
     src = tmp_path / case
     if case == "modelopt-quantized-attention":
         preset = tiny_preset("31b")

@@ -7,7 +7,7 @@ CI runs the four 0.27.0 envs it builds; `make compat` runs every env of the matr
 `install` (their digest: the wheel's runtime requirements, so a changed requirement makes them stale). A fresh venv
 gets torch 2.13.0 (the local CPU wheel) and the wheel, not the editable checkout: every verb runs from there on a
 synthetic pair, both layouts, with exactly the declared requirements (no transformers, no numpy). The wheel holds
-`converter/` (without its test factory, converter/testing/) and its dist-info, nothing else.
+`converter/` and its dist-info, nothing else (the test factory lives in scripts/matrix/, outside the package).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import (CHECK_INSTALL, FAIL, INSTALL_CASE, INSTALL_LAYOUT, PASS, LedgerRow,
-                                     load_ledger)
-from converter.testing.cases import env_specs
+from converter.advice.ledger import CHECK_INSTALL, FAIL, INSTALL_CASE, INSTALL_LAYOUT, PASS, LedgerRow, load_ledger
+from matrix.cases import env_specs
 
 from _hub_cache import cache_repo
 from _ledger import record, skip_if_unchanged, today
@@ -159,7 +158,7 @@ def test_the_wheel_carries_the_product_and_nothing_else(wheel):
         names = archive.namelist()
     top = {name.split("/")[0] for name in names}
     assert top == {"converter", next(t for t in top if t.startswith("gemma4_convert-") and t.endswith(".dist-info"))}
-    harness = [n for n in names if n.startswith("converter/testing/") or "/tests/" in n or "/scripts/" in n
+    harness = [n for n in names if n.startswith("scripts/matrix/") or "/tests/" in n or "/scripts/" in n
                or Path(n).name.startswith("test_") or Path(n).name in ("conftest.py", "synthetic.py", "cases.py")]
     assert not harness, f"test or harness code in the wheel: {harness}"
     assert "converter/cli/__init__.py" in names and "converter/layouts/pad_global.py" in names
@@ -168,7 +167,7 @@ def test_the_wheel_carries_the_product_and_nothing_else(wheel):
 def test_the_wheel_runs_every_verb_from_a_fresh_venv(fresh_venv, tmp_path):
     """Every verb, both layouts, from the installed wheel (not this checkout) with only its declared requirements:
     no transformers, no numpy (torch's CPU wheel does not bring it), not even the test factory."""
-    from converter.testing.synthetic import tiny_preset, write_pair
+    from matrix.synthetic import tiny_preset, write_pair
 
     installed = installed_versions(fresh_venv / "bin" / "python")
     assert "transformers" not in installed and "numpy" not in installed and installed["huggingface-hub"] == HUB_FLOOR
@@ -201,15 +200,15 @@ def test_the_wheel_runs_every_verb_from_a_fresh_venv(fresh_venv, tmp_path):
     where = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import converter; print(converter.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert str(fresh_venv) in where and str(REPO) not in where
-    factory = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import converter.testing"],
+    factory = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import matrix"],
                              capture_output=True, text=True, cwd=tmp_path)
-    assert factory.returncode != 0 and "No module named 'converter.testing'" in factory.stderr
+    assert factory.returncode != 0 and "No module named 'matrix'" in factory.stderr
 
 
 def test_hub_sources_and_hub_errors_work_at_the_huggingface_hub_floor(fresh_venv, tmp_path):
     """huggingface_hub 1.x (what vLLM 0.27-0.32 envs carry): a Hub target and its published assistant read from a
     real cache offline; without the assistant cached, one line and exit 5 (an error path, not a crash)."""
-    from converter.testing.synthetic import tiny_preset, write_pair
+    from matrix.synthetic import tiny_preset, write_pair
 
     source = tmp_path / "source"
     write_pair(source, preset=tiny_preset("31b"), num_shards=2)

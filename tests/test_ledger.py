@@ -1,6 +1,6 @@
 """The compatibility ledger is the proof, and CI keeps it honest without starting vLLM (docs/COMPATIBILITY.md).
 
-Every case of converter/testing/cases.py is rebuilt and converted here (seconds) and its digest compared with the
+Every case of scripts/matrix/cases.py is rebuilt and converted here (seconds) and its digest compared with the
 ledger's rows: a change to a layout, the synthetic factory or the converter's output that `make compat` has not
 re-proven fails as "stale proof". The ledger must also hold a row for every row of the matrix, and nothing else.
 """
@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE,
-                                     INSTALL_LAYOUT, LEDGER_PATH, NOT_RUN, PASS, VLLM, LedgerRow, load_ledger,
-                                     render_markdown, render_table, stale_rows, version_key, with_release_table)
+from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL,
+                                     INSTALL_CASE, INSTALL_LAYOUT, LEDGER_PATH, NOT_RUN, PASS, VLLM, LedgerRow,
+                                     load_ledger, stale_rows, version_key)
+from converter.advice.tables import render_table
+from matrix.doc_tables import render_markdown, with_release_table
 from converter.advice.ledger import SCOPE_ASSISTANT
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DEQUANTIZE_ASSISTANT,
+from matrix.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DEQUANTIZE_ASSISTANT,
                                      DEQUANTIZED_ENGINE_CASE, DRAFT_CONTROLS,
                                      ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES,
                                      ENGINE_TP_SOURCES, ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES,

@@ -102,7 +102,7 @@ def test_one_sided_conversion_warns_and_the_mismatch_is_flagged(pair, tmp_path, 
 
 
 def test_non_integer_ratio_is_refused(synthetic_cache, tmp_path, run_cli):
-    from converter.testing.synthetic import tiny_preset, write_pair
+    from matrix.synthetic import tiny_preset, write_pair
     from dataclasses import replace
     preset = replace(tiny_preset("31b"), global_head_dim=24)
     src = tmp_path / "src"

@@ -76,7 +76,7 @@ def test_sizes_vllm_refuses_are_named(tp, fragments):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from converter.testing.cases import build_loader_case
+    from matrix.cases import build_loader_case
 
     return build_loader_case("31b-mm-2shards", tmp_path_factory.mktemp("tp"), variants=("per-layer", "pad-global"))
 

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from converter.pipeline import ConvertRequest, execute, plan_conversion
-from converter.testing.cases import build_loader_case
-from converter.testing.synthetic import fp8_quantization_config, tiny_preset, write_pair
+from matrix.cases import build_loader_case
+from matrix.synthetic import fp8_quantization_config, tiny_preset, write_pair
 
 from _checkpoints import load_tensors
 

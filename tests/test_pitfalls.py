@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from converter.testing.synthetic import (fp8_quantization_config, modelopt_nvfp4_config, tiny_preset,
+from matrix.synthetic import (fp8_quantization_config, modelopt_nvfp4_config, tiny_preset,
                                          write_checkpoint, write_pair)
 
 

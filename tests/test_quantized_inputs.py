@@ -1,7 +1,7 @@
 """Malformed quantized inputs are refused before anything is written (converter/validate/quantized_weights.py).
 
 The valid inputs come from the real producers (compressed-tensors' own PackedQuantizationCompressor for W4A16, its
-FP8 config classes; converter/testing/cases.py); each test breaks ONE thing the way a hand-edited or half-converted
+FP8 config classes; scripts/matrix/cases.py); each test breaks ONE thing the way a hand-edited or half-converted
 checkpoint is broken, and `inspect` and `convert` (both layouts: per-layer copies bytes, so it must check the
 headers) must name the tensor and the mismatch in one line and exit 3.
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from converter.testing.cases import build_loader_case
-from converter.testing.synthetic import w4a16_quantization_config
+from matrix.cases import build_loader_case
+from matrix.synthetic import w4a16_quantization_config
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from converter.testing.synthetic import tiny_preset, write_pair
+from matrix.synthetic import tiny_preset, write_pair
 
 from _hub_cache import cache_repo
 from _hub_fakes import FakeHfApi, use_api

@@ -31,6 +31,7 @@ from transformers.models.gemma4_assistant.configuration_gemma4_assistant import 
 from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
 
 from converter.proof import reference as ref
+from matrix import text_model
 
 SEQ = 12
 WINDOW = 4
@@ -173,7 +174,7 @@ def test_text_forward_matches_transformers(make_config, dtype):
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = model(input_ids=ids, return_shared_kv_states=True, use_cache=False)
-    got = ref.text_forward(target_weights(model), spec=ref.text_spec_from_config(model.config.to_dict()),
+    got = text_model.text_forward(target_weights(model), spec=ref.text_spec_from_config(model.config.to_dict()),
                            input_ids=ids)
     assert_close(expected.logits, got.logits, dtype)
     for layer_type in (S, F_):
@@ -247,7 +248,7 @@ def test_reference_runs_on_cuda():
     model = build_target(text_config(), seed=8, dtype=torch.float32)
     weights, spec = target_weights(model), ref.text_spec_from_config(model.config.to_dict())
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
-    cpu = ref.text_forward(weights, spec=spec, input_ids=ids)
-    cuda = ref.text_forward({k: v.cuda() for k, v in weights.items()}, spec=spec, input_ids=ids.cuda())
+    cpu = text_model.text_forward(weights, spec=spec, input_ids=ids)
+    cuda = text_model.text_forward({k: v.cuda() for k, v in weights.items()}, spec=spec, input_ids=ids.cuda())
     assert ref.compare_outputs(cpu.logits, cuda.logits).max_rel <= 1e-4
     assert ref.compare_outputs(cpu.shared_kv[F_][0], cuda.shared_kv[F_][0]).max_rel <= 1e-4

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import CHECK_LOADER, PASS, load_ledger
+from converter.advice.ledger import CHECK_LOADER, PASS, load_ledger
 from converter.advice.ledger import release_requirements, version_key
-from converter.testing.cases import RELEASE_SOURCES, RELEASES, SOURCES, build_loader_case
+from matrix.cases import RELEASE_SOURCES, RELEASES, SOURCES, build_loader_case
 
 NO_CONVERSION = "none"
 
@@ -152,7 +152,7 @@ def hub_column_oracle(vllm: str, kv_heads: str) -> str | None:
 def test_the_tables_hub_columns_are_what_convert_chooses(originals, run_cli, tmp_path):
     """For every release of the generated table, its Hub 31B / E2B columns equal the raw rows' answer and what
     `convert --serving vllm==X --dry-run` chooses for a 31B-geometry and an E2B-geometry checkpoint (one decision)."""
-    from converter.advice.compat import release_table
+    from matrix.doc_tables import release_table
 
     lines = release_table(load_ledger())
     assert {line["vllm"] for line in lines} >= {r.vllm for r in RELEASES}

@@ -1,6 +1,6 @@
 """A per-layer output whose config.json was re-saved by transformers >= 5.15 (what fine-tuning and quantization
 scripts do: `AutoConfig.from_pretrained(DIR).save_pretrained(DIR)`, here with the installed transformers' own
-classes, converter/testing/resave.py): inspect says what changed, which consumers that breaks (the ledger's
+classes, scripts/matrix/resave.py): inspect says what changed, which consumers that breaks (the ledger's
 measured rows) and the fix; the fix, `convert --layout per-layer` on the re-saved output, mends it (config only);
 an output still as written is refused as before; the card tells uploaders to keep the config as it is."""
 
@@ -17,8 +17,8 @@ from converter.hub.card import RESAVE_NOTE, render_card
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.proof.digest import tensor_digests
 from converter.read.checkpoint import MANIFEST_NAME, read_checkpoint
-from converter.testing.resave import resave_config
-from converter.testing.synthetic import tiny_preset, write_pair
+from matrix.resave import resave_config
+from matrix.synthetic import tiny_preset, write_pair
 from converter.gemma4 import text_config_of
 
 GEOMETRY = ("head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads", "attention_k_eq_v",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from converter.testing.synthetic import (ENGINE_SCALES, MOE_KERNEL_ALIGNMENT, PRESETS, engine_preset, tiny_preset,
+from matrix.synthetic import (ENGINE_SCALES, MOE_KERNEL_ALIGNMENT, PRESETS, engine_preset, tiny_preset,
                                          write_engine_pair, write_pair)
 
 SERVE_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "consumers" / "vllm" / "serve_check.py"

@@ -24,7 +24,7 @@ AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 def forms(tmp_path_factory) -> dict[str, Path]:
     """form name -> target checkpoint: sources in each dialect and this tool's outputs of each layout."""
     from converter.pipeline import ConvertRequest, execute, plan_conversion
-    from converter.testing.synthetic import tiny_preset, write_checkpoint, write_pair
+    from matrix.synthetic import tiny_preset, write_checkpoint, write_pair
 
     root = tmp_path_factory.mktemp("forms")
     found: dict[str, Path] = {}

@@ -1,6 +1,6 @@
 """Issue 14: config.json as transformers' own `save_pretrained` writes it, for every published geometry.
 
-The per_layer_config dialect comes from the producer (converter/testing/resave.py: AutoConfig.from_pretrained +
+The per_layer_config dialect comes from the producer (scripts/matrix/resave.py: AutoConfig.from_pretrained +
 save_pretrained), in this venv's transformers and, in the vLLM envs, under 5.14.1 and the newest 5.x. It must
 read, inspect and convert exactly like the published (legacy) file: same geometry, same output tensors, same
 geometry keys. Presets have 12 layers so transformers' zero-padded keys ("05", "11") appear.
@@ -17,7 +17,7 @@ import torch
 
 from _checkpoints import load_tensors, read_config, text_config
 from converter.gemma4 import FULL, read_spec
-from converter.testing.synthetic import (assistant_config, modelopt_nvfp4_config, scaled_preset, target_config,
+from matrix.synthetic import (assistant_config, modelopt_nvfp4_config, scaled_preset, target_config,
                                          tiny_preset, write_pair)
 from _vllm_envs import find_env
 

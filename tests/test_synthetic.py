@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from converter.gemma4 import read_spec
-from converter.testing.synthetic import (PRESETS, assistant_tensors, target_config, target_tensors, tiny_preset,
+from matrix.synthetic import (PRESETS, assistant_tensors, target_config, target_tensors, tiny_preset,
                                          write_checkpoint)
 
 
@@ -107,7 +107,7 @@ def test_the_qat_target_holds_q4_0_grid_values_and_both_layouts_keep_them(tmp_pa
     copies them byte for byte and pad-global only moves them (its rows and columns hold the same value sets)."""
     from safetensors.torch import load_file
 
-    from converter.testing.cases import SOURCES, build_loader_case
+    from matrix.cases import SOURCES, build_loader_case
 
     def tensors(checkpoint):
         return {k: v for f in sorted(checkpoint.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -124,7 +124,7 @@ def test_the_qat_target_holds_q4_0_grid_values_and_both_layouts_keep_them(tmp_pa
         {"q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj"}
     assert all(most_values_per_block(original[n]) <= 16 for n in snapped)
     unsnapped = tmp_path / "unsnapped"
-    from converter.testing.synthetic import write_pair
+    from matrix.synthetic import write_pair
     write_pair(unsnapped, preset=SOURCES["26b-a4b-qat-q4_0"].preset_shape, multimodal=True, num_shards=2)
     assert most_values_per_block(tensors(unsnapped / "target")[snapped[0]]) > 16  # the check can fail
     per_layer = tensors(built["per-layer"] / "target")

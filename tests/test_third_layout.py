@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from converter.advice.compat import variants
+from converter.advice.tables import variants
 from converter.gemma4 import DIALECT_LEGACY, FORM_FLAT
 from converter.layouts import base, get_layout, layout_names
 from converter.layouts.base import Layout, explicit_geometry, kept, register_layout

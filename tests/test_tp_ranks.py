@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import CHECK_LOADER, FAIL, PASS, LedgerRow
+from converter.advice.ledger import CHECK_LOADER, FAIL, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from converter.testing.cases import (ORIGINAL, RANK_ENV, RANK_SOURCES, RANK_TP_SIZES, SOURCES, build_loader_case)
+from matrix.cases import (ORIGINAL, RANK_ENV, RANK_SOURCES, RANK_TP_SIZES, SOURCES, build_loader_case)
 
 from _edits import swap_kv_heads
 from _ledger import record, recording, skip_if_all_unchanged, today

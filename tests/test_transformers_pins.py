@@ -25,7 +25,7 @@ import pytest
 from converter.advice.serving import AMBIGUOUS
 from converter.gemma4 import read_spec
 from converter.pipeline import ConvertRequest, execute, plan_conversion
-from converter.testing.synthetic import tiny_preset, write_pair
+from matrix.synthetic import tiny_preset, write_pair
 
 from _vllm_envs import VllmEnv, _all_envs, _version_key, missing_env
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 def converted(tmp_path_factory):
     """A tiny 31B pair converted both ways (module-scoped: tests copy before corrupting)."""
     from converter.pipeline import ConvertRequest, execute, plan_conversion
-    from converter.testing.synthetic import tiny_preset, write_pair
+    from matrix.synthetic import tiny_preset, write_pair
     root = tmp_path_factory.mktemp("verify")
     target, assistant = write_pair(root / "src", preset=tiny_preset("31b"), num_shards=2)
     for layout in ("pad-global", "per-layer"):

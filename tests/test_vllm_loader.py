@@ -6,7 +6,7 @@ The matrix tests (marker ``vllm_loader``) write tiny synthetic pairs, convert th
 the checker's --json result: which stage failed and with which exception, or that every loaded
 tensor matched and the KV-sharing geometry is consistent.
 
-The cases and rows are converter/testing/cases.py's. `make test` runs the rows marked ci (the 31B multimodal pair
+The cases and rows are scripts/matrix/cases.py's. `make test` runs the rows marked ci (the 31B multimodal pair
 on 0.27.0 under both transformers generations); `make compat` runs every row and records each into the ledger
 (tests/_ledger.py, docs/COMPATIBILITY.md).
 
@@ -28,14 +28,14 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.compat import CHECK_LOADER, FAIL, PASS, LedgerRow
+from converter.advice.ledger import CHECK_LOADER, FAIL, PASS, LedgerRow
 from converter.advice.ledger import SCOPE_ASSISTANT
 from converter.advice.evidence import Shape
 from converter.advice.serving import KV_MIXED, KV_SHARING, ServingEnv, predict, shape_of
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from converter.testing.cases import CONVERSIONS, DEQUANTIZE_ASSISTANT, LOADER_ROWS, MIXED, ORIGINAL, SOURCES, LoaderRow, Source
-from converter.testing.synthetic import tiny_preset
+from matrix.cases import CONVERSIONS, DEQUANTIZE_ASSISTANT, LOADER_ROWS, MIXED, ORIGINAL, SOURCES, LoaderRow, Source
+from matrix.synthetic import tiny_preset
 from converter.gemma4 import text_config_of
 
 from _ledger import record, recording, reusing, skip_if_unchanged, today, unchanged
@@ -139,7 +139,7 @@ def checkpoint_names(target: Path) -> set[str]:
 
 
 def kv_shared_layers_without_k(target: Path) -> list[int]:
-    """Target KV-shared layers whose k_proj the checkpoint lacks (q-only, as converter.testing.synthetic
+    """Target KV-shared layers whose k_proj the checkpoint lacks (q-only, as matrix.synthetic
     writes them)."""
     config = json.loads((target / "config.json").read_text())
     text = text_config_of(config)
@@ -333,7 +333,7 @@ def test_stock_vllm_load(pairs, batched, tmp_path, row):
         return
 
     verdict = _loader_verdict(code, result)
-    # recorded once its assertions hold: a failed run's rows can be resumed (scripts/compat.py --resume)
+    # recorded once its assertions hold: a failed run's rows can be resumed (scripts/run_ledger.py --resume)
     ledger_row = _ledger_row(row, env, digest, verdict=verdict, expected=FAIL if failing_stage or q_only else PASS,
                              detail="; ".join(d for d in (_failure_text(result), caveat) if d),
                              figures=_loader_figures(result), shape=target_shape(pair),

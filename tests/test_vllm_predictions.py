@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from converter.testing.synthetic import tiny_preset, write_pair
+from matrix.synthetic import tiny_preset, write_pair
 from converter.gemma4 import text_config_of
 from _vllm_envs import LEGACY_TRANSFORMERS, find_env
 from test_vllm_loader import LOADER_PACKAGE, run_checker

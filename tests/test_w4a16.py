@@ -1,14 +1,14 @@
 """Google's QAT W4A16 layout (compressed-tensors pack-quantized int4, group 32, weight-only) at the tiny head sizes:
 what the factory writes, and pad-global's refusal by name where a group of 32 straddles both halves of a 32-wide
 head. At the real head sizes (256 / 512) it moves exactly: tests/test_compressed_tensors_schemes.py, beside the other
-schemes. The stock vLLM loader rows are in converter/testing/cases.py ("31b-w4a16", "31b-w4a16-real-heads")."""
+schemes. The stock vLLM loader rows are in scripts/matrix/cases.py ("31b-w4a16", "31b-w4a16-real-heads")."""
 
 from __future__ import annotations
 
 import pytest
 
 from _checkpoints import load_tensors, read_config
-from converter.testing.synthetic import tiny_preset, w4a16_quantization_config, write_pair
+from matrix.synthetic import tiny_preset, w4a16_quantization_config, write_pair
 
 
 @pytest.fixture(scope="module")

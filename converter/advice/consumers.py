@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..pairing import DEFAULT_SPECULATIVE_TOKENS, serve_line
-from .compat import CHECK_ENGINE, PASS, VLLM, load_ledger, proves_drafting, version_key
+from .ledger import CHECK_ENGINE, PASS, VLLM, load_ledger, version_key
+from .tables import proves_drafting
 
 TRANSFORMERS = "transformers"
 LLAMACPP = "llama.cpp"

@@ -1,6 +1,6 @@
 """The compatibility ledger's rows: which vLLM and transformers releases served each layout, by which check, when.
 
-`make compat` (scripts/compat.py) runs the stock vLLM loader and engine on every case of converter/testing/cases.py
+`make compat` (scripts/run_ledger.py) runs the stock vLLM loader and engine on every case of scripts/matrix/cases.py
 and writes ledger.json beside this module; it is the one source of truth the `compat` verb prints, the model card
 quotes and `inspect`'s advice reads. Each row carries the digest of the output it proved (proof/digest.py): CI
 rebuilds every case and refuses a ledger whose digests no longer match (tests/test_ledger.py).
@@ -43,7 +43,7 @@ ORIGINAL = "original"  # a row of the source itself, as the ledger names it besi
 class LedgerRow:
     """One check of one output in one environment (docs/COMPATIBILITY.md lists every field)."""
 
-    case: str  # converter/testing/cases.py SOURCES / ENGINE_SOURCES name
+    case: str  # scripts/matrix/cases.py SOURCES / ENGINE_SOURCES name
     form: str  # the source's form in a few words
     layout: str  # "original", "per-layer" or "pad-global"
     vllm: str

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..errors import InputError, UnsupportedLayoutError
-from ..gemma4 import ASSISTANT_MODEL_TYPES, ROLE_ASSISTANT, ROLE_TARGET, ModelSpec, text_config_of
+from ..gemma4 import ASSISTANT_MODEL_TYPES, ModelSpec, Role, text_config_of
 from ..layouts import layouts_in_preference
 from .ledger import FAIL, SCOPE_ASSISTANT, load_ledger, version_key
 from ..read.checkpoint import Checkpoint
@@ -24,9 +24,9 @@ from ..validate.q4_0_grid import sits_on_q4_0_grid
 def serving_pitfalls(config: Mapping[str, Any], spec: ModelSpec) -> list[str]:
     """The warnings for one checkpoint (its config.json and the spec read from it), each naming the fix."""
     warnings = []
-    if spec.role == ROLE_ASSISTANT:
+    if spec.role == Role.ASSISTANT:
         warnings += _assistant_pitfalls(config, spec)
-    if spec.role == ROLE_TARGET:
+    if spec.role == Role.TARGET:
         warnings += _target_pitfalls(config, spec)
     return warnings
 
@@ -53,7 +53,7 @@ def _assistant_pitfalls(config: Mapping[str, Any], spec: ModelSpec) -> list[str]
 def quantized_assistant_refusal(spec: ModelSpec) -> str | None:
     """What stock vLLM measurably does with a quantized assistant of `spec`'s scheme (ledger rows of scope
     SCOPE_ASSISTANT that fail: the original and every layout alike), or None where no such row fails."""
-    if spec.role != ROLE_ASSISTANT or not spec.quantization:
+    if spec.role != Role.ASSISTANT or not spec.quantization:
         return None
     failing = [r for r in load_ledger() if r.scope == SCOPE_ASSISTANT and r.verdict == FAIL
                and r.detail.startswith("load_draft")]

@@ -12,8 +12,8 @@ from typing import Any
 from ..cost import kv_costs
 from ..parallel import kv_bytes_per_token_per_rank, layer_type_geometry, tp_problems
 from ..errors import InputError
-from ..gemma4 import (DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, PER_LAYER_TRANSFORMERS, ROLE_ASSISTANT,
-                      ROLE_TARGET, ModelSpec, parse_moe_name)
+from ..gemma4 import (DIALECT_BOTH, DIALECT_LEGACY, DIALECT_PER_LAYER, PER_LAYER_TRANSFORMERS, ModelSpec,
+                      parse_moe_name, Role)
 from ..layouts import Layout, default_layout, layout_names, layouts_in_preference
 from ..layouts.base import layout_from_manifest
 from ..quantization import weight_scheme
@@ -86,12 +86,12 @@ def _drafting(checkpoint: Checkpoint) -> list[dict[str, Any]]:
     if manifest.get("tool") != "gemma4-convert" or manifest.get("layout") not in layout_names():
         return []
     layout = layout_from_manifest(manifest)
-    role, partner = (ROLE_TARGET, ROLE_ASSISTANT) if checkpoint.spec.role == ROLE_TARGET else \
-        (ROLE_ASSISTANT, ROLE_TARGET)
+    role, partner = (Role.TARGET, Role.ASSISTANT) if checkpoint.spec.role == Role.TARGET else \
+        (Role.ASSISTANT, Role.TARGET)
     sibling = checkpoint.path.parent / partner
     other = str(sibling) if (sibling / MANIFEST_NAME).is_file() else f"<{partner.upper()} converted the same way>"
     paths = {role: str(checkpoint.path), partner: other}
-    return [proof.document(paths[ROLE_TARGET], paths[ROLE_ASSISTANT], layout.name)
+    return [proof.document(paths[Role.TARGET], paths[Role.ASSISTANT], layout.name)
             for proof in drafting_proofs(layout.variant)]
 
 

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..gemma4 import ROLE_TARGET, ModelSpec
+from ..gemma4 import ModelSpec, Role
 from ..validate.attention import AttentionProblem
 
 RAISES, WRONG = "raises", "loads wrong"
@@ -96,7 +96,7 @@ def predict_shape_problem(problem: AttentionProblem, spec: ModelSpec) -> TensorL
                           "default_weight_loader asserts equal sizes for norm weights")
     if tensor.module == "o_proj":
         return _linear_load(name, have, want, _ROW, dim=1)
-    loader = _QKV if spec.role == ROLE_TARGET else _COLUMN
+    loader = _QKV if spec.role == Role.TARGET else _COLUMN
     return _linear_load(name, have, want, loader, dim=0)
 
 
@@ -124,7 +124,7 @@ def kv_shared_gaps(spec: ModelSpec, tensors: list[Any]) -> list[AttentionProblem
     """Target KV-shared layers without k_proj/k_norm (and v_proj): fine for transformers, which ignores them, but
     vLLM 0.27.0 builds QKVParallelLinear and k_norm on every target layer (models/gemma4.py:416, :435), so it
     meets them as missing tensors. Published E2B/E4B targets carry them; Q-only ones do not load."""
-    if spec.role != ROLE_TARGET:
+    if spec.role != Role.TARGET:
         return []
     present: dict[int, set[str]] = {}
     for tensor in tensors:

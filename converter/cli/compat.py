@@ -6,7 +6,8 @@ from dataclasses import asdict
 
 import click
 
-from ..advice.compat import LEDGER_PATH, ORIGINAL, load_ledger, render_table
+from ..advice.ledger import LEDGER_PATH, ORIGINAL, load_ledger
+from ..advice.tables import render_table
 from ._common import LayoutChoice, echo_json
 
 

@@ -16,12 +16,13 @@ from typing import Any, Mapping
 import yaml
 
 from .. import __version__
-from ..advice.compat import CHECK_DRAFT, PASS, consumer_table, load_ledger
+from ..advice.ledger import CHECK_DRAFT, PASS, load_ledger
+from ..advice.tables import consumer_table
 from ..advice.ledger import CHECK_ENGINE, CHECK_LOADER, NOT_RUN, VLLM, version_key
 from ..advice.consumers import command_language, drafting_command, drafting_proofs
 from ..cost import human_bytes, kv_costs
 from ..errors import InputError, UsageError
-from ..gemma4 import PER_LAYER_TRANSFORMERS, ROLE_ASSISTANT, ROLE_TARGET, read_spec
+from ..gemma4 import PER_LAYER_TRANSFORMERS, read_spec, Role
 from ..layouts import Layout, default_layout
 from ..layouts.base import layout_from_manifest
 from ..pairing import serve_line
@@ -59,7 +60,7 @@ def output_card(manifest: Mapping[str, Any], *, name: str, partner: str | None, 
     """
     own = f"{PLACEHOLDER_OWNER}/{name}"
     other = f"{PLACEHOLDER_OWNER}/{partner}" if partner else None
-    target, assistant = (own, other) if manifest.get("role") == ROLE_TARGET else (other, own)
+    target, assistant = (own, other) if manifest.get("role") == Role.TARGET else (other, own)
     return render_card(manifest=manifest, verification=None, repo_id=own, target_repo=target, assistant_repo=assistant,
                        base_model=base_model, source_front_matter=front_matter_of(source_card) if source_card else None,
                        source_card=source_card is not None, verified=False)
@@ -119,7 +120,7 @@ def _front_matter(manifest: Mapping[str, Any], base_model: str | None,
 
 
 def _summary(manifest: Mapping[str, Any], role: str, base_model: str | None) -> str:
-    kind = "Gemma 4 target" if role == ROLE_TARGET else "Gemma 4 MTP assistant (draft model)"
+    kind = "Gemma 4 target" if role == Role.TARGET else "Gemma 4 MTP assistant (draft model)"
     source = manifest.get("source", {})
     if base_model:
         revision = source.get("revision") if source.get("repo_id") == base_model else None
@@ -155,8 +156,8 @@ def _layout_text(layout: Layout | None) -> str:
 
 def _serve_section(role: str, layout: Layout | None, recorded: str, target_repo: str | None,
                    assistant_repo: str | None, tp: int | None = None) -> str:
-    other_role = ROLE_ASSISTANT if role == ROLE_TARGET else ROLE_TARGET
-    other = assistant_repo if role == ROLE_TARGET else target_repo
+    other_role = Role.ASSISTANT if role == Role.TARGET else Role.TARGET
+    other = assistant_repo if role == Role.TARGET else target_repo
     partner = (f"Its {other_role} is [{other}](https://huggingface.co/{other}), converted the same way."
                if other else f"Convert and upload its {other_role} with the same `--layout {recorded}`.")
     lines = [f"## Serve with vLLM\n\nThis repo is the **{role}**. {partner}\n",
@@ -243,7 +244,7 @@ def _consumer_lines(variant: str) -> list[str]:
 
 
 def _kv_text(manifest: Mapping[str, Any], role: str, layout: Layout | None) -> str:
-    if role != ROLE_TARGET:
+    if role != Role.TARGET:
         return "None of its own: every assistant layer reads the target's KV cache."
     config = manifest.get("source", {}).get("config") or {}
     try:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import __version__
 from ..errors import HubError, InputError
-from ..gemma4 import ROLE_ASSISTANT, read_spec
+from ..gemma4 import read_spec, Role
 from ..read.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
                                VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
 from ..read.safetensors_header import ShardHeader, read_header, shard_from_entries
@@ -397,6 +397,6 @@ def published_assistant(target: RepoRef, *, api: Any = None) -> tuple[str, Local
         checkpoint = open_checkpoint(source)
     except (HubError, InputError) as exc:
         raise HubError(f"no assistant found for {target.text}: {exc}; {remedy}") from exc
-    if checkpoint.spec.role != ROLE_ASSISTANT:
+    if checkpoint.spec.role != Role.ASSISTANT:
         raise HubError(f"{repo_id} is a {checkpoint.spec.kind}, not a gemma4_assistant; {remedy}")
     return repo_id, source, checkpoint

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from .. import __version__
 from ..errors import InputError, UsageError, VerificationFailed
-from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role
+from ..gemma4 import Role
 from ..read.checkpoint import CARD_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, VERIFICATION_NAME, read_json
 from ..pairing import misread_draft_name
 from ..proof.files import file_problems, manifest_sha256
@@ -90,9 +90,9 @@ def checkpoint_dirs(dst: Path) -> dict[Role, Path]:
     """
     if (dst / MANIFEST_NAME).is_file():
         return {Role.SINGLE: dst}
-    found = {role: dst / role for role in (ROLE_TARGET, ROLE_ASSISTANT) if (dst / role / MANIFEST_NAME).is_file()}
+    found = {role: dst / role for role in (Role.TARGET, Role.ASSISTANT) if (dst / role / MANIFEST_NAME).is_file()}
     if not found:
-        raise InputError(f"{dst}: no {MANIFEST_NAME} in it or in {ROLE_TARGET}/ or {ROLE_ASSISTANT}/ "
+        raise InputError(f"{dst}: no {MANIFEST_NAME} in it or in {Role.TARGET}/ or {Role.ASSISTANT}/ "
                          f"(is it a gemma4-convert output?)")
     return found
 
@@ -136,7 +136,7 @@ def plan_upload(request: UploadRequest, *, on_bytes: Callable[[int], None] = lam
         public_verification = scrub_paths(verification, private) if verification is not None else None
         source_card = _source_card(directory)
         card = render_card(manifest=public, verification=public_verification, repo_id=request.repos[role],
-                           target_repo=serve_repos.get(ROLE_TARGET), assistant_repo=serve_repos.get(ROLE_ASSISTANT),
+                           target_repo=serve_repos.get(Role.TARGET), assistant_repo=serve_repos.get(Role.ASSISTANT),
                            base_model=base.repo_id if base else None,
                            source_front_matter=_front_matter(source_card) if source_card else None,
                            source_card=source_card is not None,
@@ -148,7 +148,7 @@ def plan_upload(request: UploadRequest, *, on_bytes: Callable[[int], None] = lam
                                 directory=directory, repo_id=request.repos[role],
                                 files=_upload_files(directory, card, rewritten), card=card))
     warnings = misread + (() if Role.SINGLE in dirs else tuple(filter(None, [mismatched_bases(
-        *(b.repo_id if b else None for b in (bases.get(ROLE_TARGET), bases.get(ROLE_ASSISTANT))))])))
+        *(b.repo_id if b else None for b in (bases.get(Role.TARGET), bases.get(Role.ASSISTANT))))])))
     return UploadPlan(request=request, items=tuple(items), unknown_base=tuple(unknown), warnings=warnings)
 
 
@@ -157,7 +157,7 @@ def _misread_names(request: UploadRequest, manifests: Mapping[Role, Mapping[str,
     warning (pairing.misread_draft_name)."""
     found = []
     for role, manifest in manifests.items():
-        why = misread_draft_name(request.repos[role]) if manifest.get("role") == ROLE_ASSISTANT else None
+        why = misread_draft_name(request.repos[role]) if manifest.get("role") == Role.ASSISTANT else None
         if why and not request.any_name:
             raise UsageError(f"the assistant's repo {why} (or pass --any-name)")
         if why:
@@ -177,9 +177,9 @@ def _pair_repos(request: UploadRequest, dirs: Mapping[Role, Path]) -> UploadRequ
 def _base_override(request: UploadRequest, where: str, kind: str) -> str | None:
     """The override for one checkpoint: --assistant-base-model for an assistant; --base-model for the target (in a
     pair) or for the one checkpoint of a single DST when no assistant override names it."""
-    if kind == ROLE_ASSISTANT and request.assistant_base_model:
+    if kind == Role.ASSISTANT and request.assistant_base_model:
         return request.assistant_base_model
-    if where == Role.SINGLE or kind == ROLE_TARGET:
+    if where == Role.SINGLE or kind == Role.TARGET:
         return request.base_model
     return None
 
@@ -225,7 +225,7 @@ def _repo_usage(request: UploadRequest, dirs: dict[str, Path]) -> str:
 
 def _serve_repos(repos: Mapping[str, str], manifests: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     if Role.SINGLE in repos:
-        return {manifests[Role.SINGLE].get("role", ROLE_TARGET): repos[Role.SINGLE]}
+        return {manifests[Role.SINGLE].get("role", Role.TARGET): repos[Role.SINGLE]}
     return dict(repos)
 
 

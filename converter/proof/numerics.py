@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from ..gemma4 import FULL, ROLE_ASSISTANT, ROLE_TARGET, text_config_of
+from ..gemma4 import FULL, Role, text_config_of
 from ..validate.attention import find_attention_tensors
 from ..plan import SourceSlice
 from ..read.checkpoint import Checkpoint
@@ -303,12 +303,12 @@ def numerical_checks(pairs: dict[str, tuple[Checkpoint, Checkpoint]], *, device:
     """Every numerical check the converted checkpoints allow (target layers, then the assistant)."""
     checks: list[LayerCheck] = []
     kv_runs = None
-    if ROLE_TARGET in pairs:
-        target_checks, kv_runs = check_target_layers(*pairs[ROLE_TARGET], device=device, check=dtype, seed=seed,
+    if Role.TARGET in pairs:
+        target_checks, kv_runs = check_target_layers(*pairs[Role.TARGET], device=device, check=dtype, seed=seed,
                                                      seq_len=seq_len, factor=factor, on_layer=on_layer)
         checks += target_checks
-    if ROLE_ASSISTANT in pairs:
-        source, output = pairs[ROLE_ASSISTANT]
+    if Role.ASSISTANT in pairs:
+        source, output = pairs[Role.ASSISTANT]
         if kv_runs is None or FULL not in kv_runs["truth"]:
             kv_runs = synthetic_target_kv(source, output, device=device, check=dtype, seed=seed, seq_len=seq_len)
         checks += check_assistant(source, output, kv_runs, device=device, check=dtype, seed=seed, seq_len=seq_len,

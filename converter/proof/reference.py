@@ -133,21 +133,6 @@ class AssistantSpec:
 
 
 @dataclass(frozen=True)
-class TextOutput:
-    """Target forward results.
-
-    hidden: [batch, length, hidden] after the final norm. logits: after lm_head and final softcapping.
-    layer_hidden: each decoder layer's output (index i = layer i). shared_kv: layer type -> (key, value) of the
-    last non-shared layer of that type, the dict an assistant consumes.
-    """
-
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    layer_hidden: tuple[torch.Tensor, ...]
-    shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
 class AssistantOutput:
     """Assistant forward results: hidden [batch, q, backbone_hidden] (post_projection), logits [batch, q, vocab]."""
 
@@ -385,14 +370,14 @@ def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, *, sliding
     return allowed
 
 
-def _as_positions(positions: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+def as_positions(positions: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
     if positions is None:
         positions = torch.arange(length, device=device)
     positions = positions.to(device)
     return positions[None] if positions.dim() == 1 else positions
 
 
-def _linear(x: torch.Tensor, weights: Weights, name: str) -> torch.Tensor:
+def named_linear(x: torch.Tensor, weights: Weights, name: str) -> torch.Tensor:
     return F.linear(x, weights[f"{name}.weight"], weights.get(f"{name}.bias"))
 
 
@@ -441,8 +426,8 @@ def project_kv(hidden: torch.Tensor, weights: Weights, *, head_dim: int, k_eq_v:
         (key, value), each [batch, kv_heads, length, head_dim].
     """
     shape = (*hidden.shape[:-1], -1, head_dim)
-    key = _linear(hidden, weights, "k_proj").view(shape)
-    value = key if k_eq_v else _linear(hidden, weights, "v_proj").view(shape)
+    key = named_linear(hidden, weights, "k_proj").view(shape)
+    value = key if k_eq_v else named_linear(hidden, weights, "v_proj").view(shape)
     key = apply_rope(rms_norm(key, weights["k_norm.weight"], eps=eps), cos, sin).transpose(1, 2)
     return key, rms_norm(value, None, eps=eps).transpose(1, 2)
 
@@ -475,11 +460,11 @@ def attention_block(hidden: torch.Tensor, weights: Weights, *, num_heads: int, n
     Raises:
         ValueError: K/V head count or head size disagrees with num_kv_heads / head_dim, or heads % kv_heads.
     """
-    positions = _as_positions(positions, hidden.shape[1], hidden.device)
+    positions = as_positions(positions, hidden.shape[1], hidden.device)
     inv_freq = rope_inv_freq(head_dim=head_dim, rope_theta=rope_theta,
                              partial_rotary_factor=partial_rotary_factor, rope_factor=rope_factor)
     cos, sin = rope_cos_sin(positions, inv_freq, dtype=hidden.dtype)
-    query = _linear(hidden, weights, "q_proj").view(*hidden.shape[:-1], -1, head_dim)
+    query = named_linear(hidden, weights, "q_proj").view(*hidden.shape[:-1], -1, head_dim)
     query = apply_rope(rms_norm(query, weights["q_norm.weight"], eps=eps), cos, sin).transpose(1, 2)
     if kv is None:
         key, value = project_kv(hidden, weights, head_dim=head_dim, k_eq_v=k_eq_v, eps=eps, cos=cos, sin=sin)
@@ -490,7 +475,7 @@ def attention_block(hidden: torch.Tensor, weights: Weights, *, num_heads: int, n
     _check_heads(query, key, value, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     if mask is None:
         mask = causal_mask(positions, key_positions, sliding_window=sliding_window)
-    out = _linear(attend(query, key, value, mask=mask), weights, "o_proj")
+    out = named_linear(attend(query, key, value, mask=mask), weights, "o_proj")
     return AttentionOutput(out=out, key=key, value=value)
 
 
@@ -513,8 +498,8 @@ def _check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
 
 def mlp_block(hidden: torch.Tensor, weights: Weights, *, activation: str) -> torch.Tensor:
     """down(act(gate x) * up x) (Gemma4TextMLP.forward :1073-1075)."""
-    gated = _activation(activation)(_linear(hidden, weights, "gate_proj")) * _linear(hidden, weights, "up_proj")
-    return _linear(gated, weights, "down_proj")
+    gated = _activation(activation)(named_linear(hidden, weights, "gate_proj")) * named_linear(hidden, weights, "up_proj")
+    return named_linear(gated, weights, "down_proj")
 
 
 def moe_block(residual: torch.Tensor, weights: Weights, *, hidden_size: int, top_k: int, eps: float,
@@ -523,7 +508,7 @@ def moe_block(residual: torch.Tensor, weights: Weights, *, hidden_size: int, top
     experts :1275-1299 eager loop). Returns [batch, length, hidden] after post_feedforward_layernorm_2."""
     flat = residual.reshape(-1, residual.shape[-1])
     routed = rms_norm(flat, None, eps=eps) * weights["router.scale"] * hidden_size ** -0.5
-    probs = torch.softmax(_linear(routed, weights, "router.proj"), dim=-1, dtype=torch.float32)
+    probs = torch.softmax(named_linear(routed, weights, "router.proj"), dim=-1, dtype=torch.float32)
     top_weights, top_index = torch.topk(probs, k=top_k, dim=-1)
     top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
     top_weights = top_weights * weights["router.per_expert_scale"][top_index]
@@ -574,66 +559,10 @@ def decoder_layer(hidden: torch.Tensor, weights: Weights, *, layer: LayerSpec, s
             activation=spec.hidden_activation)
     hidden = residual + rms_norm(mlp, weights["post_feedforward_layernorm.weight"], eps=spec.eps)
     if per_layer_input is not None:
-        gate = _activation(spec.hidden_activation)(_linear(hidden, weights, "per_layer_input_gate"))
-        projected = _linear(gate * per_layer_input, weights, "per_layer_projection")
+        gate = _activation(spec.hidden_activation)(named_linear(hidden, weights, "per_layer_input_gate"))
+        projected = named_linear(gate * per_layer_input, weights, "per_layer_projection")
         hidden = hidden + rms_norm(projected, weights["post_per_layer_input_norm.weight"], eps=spec.eps)
     return hidden * weights["layer_scalar"], attn
-
-
-def scaled_embedding(ids: torch.Tensor, table: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """Gemma4TextScaledWordEmbedding (:1428-1440): lookup times scale, the scale rounded to the table's dtype."""
-    return F.embedding(ids, table) * torch.tensor(scale, dtype=torch.float32).to(table.dtype).to(table.device)
-
-
-def per_layer_inputs(weights: Weights, *, spec: TextSpec, input_ids: torch.Tensor, embeds: torch.Tensor
-                     ) -> torch.Tensor:
-    """Per-layer embeddings (E2B/E4B), [batch, length, layers, ple_dim] (get/project_per_layer_inputs :1723-1800)."""
-    n, ple = len(spec.layers), spec.hidden_size_per_layer_input
-    token = scaled_embedding(input_ids, weights["embed_tokens_per_layer.weight"], scale=ple ** 0.5)
-    token = token.reshape(*input_ids.shape, n, ple)
-    context = _linear(embeds, weights, "per_layer_model_projection") * spec.hidden_size ** -0.5
-    context = rms_norm(context.reshape(*embeds.shape[:-1], n, ple), weights["per_layer_projection_norm.weight"],
-                       eps=spec.eps)
-    return (context + token) * 2.0 ** -0.5
-
-
-@torch.no_grad()
-def text_forward(weights: Weights, *, spec: TextSpec, input_ids: torch.Tensor,
-                 positions: torch.Tensor | None = None) -> TextOutput:
-    """The Gemma 4 text model plus LM head on a fresh sequence (no cache, no padding).
-
-    Mirrors Gemma4TextModel.forward (:1605-1720) and Gemma4ForCausalLM.forward (:1872-1930).
-
-    Args:
-        weights: text-model tensors named as Gemma4TextModel's state_dict (embed_tokens.weight, layers.N...,
-            norm.weight), optionally lm_head.weight (else tied to embed_tokens).
-        spec: from text_spec_from_config.
-        input_ids: [batch, length] token ids.
-        positions: [length] or [batch, length]; default 0..length-1.
-
-    Returns:
-        TextOutput.
-    """
-    table = weights["embed_tokens.weight"]
-    hidden = scaled_embedding(input_ids, table, scale=spec.hidden_size ** 0.5)
-    per_layer = (per_layer_inputs(weights, spec=spec, input_ids=input_ids, embeds=hidden)
-                 if spec.hidden_size_per_layer_input else None)
-    positions = _as_positions(positions, input_ids.shape[1], hidden.device)
-    producers, stored, layer_hidden = spec.kv_producers, {}, []
-    for i, layer in enumerate(spec.layers):
-        mask = causal_mask(positions, positions, sliding_window=layer.sliding_window)
-        hidden, attn = decoder_layer(
-            hidden, sub_weights(weights, f"layers.{i}."), layer=layer, spec=spec, positions=positions,
-            kv=stored.get(layer.layer_type) if layer.kv_shared else None, mask=mask,
-            per_layer_input=per_layer[:, :, i] if per_layer is not None else None)
-        if producers.get(layer.layer_type) == i:
-            stored[layer.layer_type] = (attn.key, attn.value)
-        layer_hidden.append(hidden)
-    hidden = rms_norm(hidden, weights["norm.weight"], eps=spec.eps)
-    logits = F.linear(hidden, weights.get("lm_head.weight", table))
-    if spec.final_logit_softcapping is not None:
-        logits = torch.tanh(logits / spec.final_logit_softcapping) * spec.final_logit_softcapping
-    return TextOutput(hidden=hidden, logits=logits, layer_hidden=tuple(layer_hidden), shared_kv=stored)
 
 
 # ------------------------------------------------------------------------------------------------- assistant
@@ -672,7 +601,7 @@ def ordered_logits(hidden: torch.Tensor, weights: Weights, *, lm_head: torch.Ten
     the top-k centroids are scored; every other logit is (min selected logit - 1)."""
     batch, length = hidden.shape[:2]
     vocab = lm_head.shape[0]
-    _, top = torch.topk(_linear(hidden, weights, "masked_embedding.centroids"), k=top_k, dim=-1)
+    _, top = torch.topk(named_linear(hidden, weights, "masked_embedding.centroids"), k=top_k, dim=-1)
     canonical = weights["masked_embedding.token_ordering"].long().view(num_centroids, vocab // num_centroids)[top]
     selected = lm_head[canonical.reshape(-1)].view(batch, length, -1, hidden.shape[-1])
     logits = (hidden.unsqueeze(-2) @ selected.transpose(-1, -2)).squeeze(-2)
@@ -694,14 +623,14 @@ def assistant_forward(weights: Weights, *, spec: AssistantSpec, inputs_embeds: t
         spec: from assistant_spec_from_config.
         inputs_embeds: [batch, q, 2 * backbone_hidden] (see assistant_inputs).
         shared_kv: {"sliding_attention": (key, value), "full_attention": (key, value)} from the target's last
-            sliding and last full layer (TextOutput.shared_kv).
+            sliding and last full layer, each [batch, kv_heads, length, head_dim].
         positions: [q] or [batch, q] query positions (`generate` uses the last seen token's position).
 
     Returns:
         AssistantOutput(hidden, logits).
     """
     text, model = spec.text, sub_weights(weights, "model.")
-    hidden = _linear(inputs_embeds, weights, "pre_projection")
+    hidden = named_linear(inputs_embeds, weights, "pre_projection")
     sliding = next((layer.sliding_window for layer in text.layers if layer.sliding_window is not None), 0)
     masks = assistant_masks(query_length=hidden.shape[1], shared_kv=shared_kv, sliding_window=sliding,
                             device=hidden.device)
@@ -715,7 +644,7 @@ def assistant_forward(weights: Weights, *, spec: AssistantSpec, inputs_embeds: t
                                 top_k=spec.centroid_intermediate_top_k)
     else:
         logits = vocab_logits(hidden, lm_head)
-    return AssistantOutput(hidden=_linear(hidden, weights, "post_projection"), logits=logits)
+    return AssistantOutput(hidden=named_linear(hidden, weights, "post_projection"), logits=logits)
 
 
 # ------------------------------------------------------------------------------------------------ comparison

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import __version__
 from ..errors import InputError, UsageError, VerificationFailed
-from ..gemma4 import ROLE_ASSISTANT, ROLE_TARGET, Role, parse_attention_name
+from ..gemma4 import parse_attention_name, Role
 from ..layouts.base import layout_from_manifest
 from ..pairing import check_pair
 from ..parallel import DEFAULT_TP_SIZES
@@ -229,8 +229,8 @@ def structural_report(pairs: dict[str, tuple[Checkpoint, Checkpoint]],
         found, c, t = check_structure(source, output, role=role, on_bytes=on_bytes)
         problems += found + _file_checks(source, output, role)
         copied, transformed = copied + c, transformed + t
-    if ROLE_TARGET in pairs and ROLE_ASSISTANT in pairs:
-        target, assistant = pairs[ROLE_TARGET][1], pairs[ROLE_ASSISTANT][1]
+    if Role.TARGET in pairs and Role.ASSISTANT in pairs:
+        target, assistant = pairs[Role.TARGET][1], pairs[Role.ASSISTANT][1]
         pair = check_pair(target.spec, assistant.spec, target_manifest=target.manifest,
                           assistant_manifest=assistant.manifest, tp_sizes=tp_sizes or DEFAULT_TP_SIZES,
                           tp_required=bool(tp_sizes))
@@ -302,7 +302,7 @@ def load_pairs(request: VerifyRequest) -> dict[str, tuple[Checkpoint, Checkpoint
                              f"it was converted from")
         _check_converted_from(source, output, Role.SINGLE, request.names.get(Role.SINGLE))
         return {source.spec.role: (source, output)}
-    given = {Role(role): path for role, path in ((ROLE_TARGET, request.target), (ROLE_ASSISTANT, request.assistant))
+    given = {Role(role): path for role, path in ((Role.TARGET, request.target), (Role.ASSISTANT, request.assistant))
              if path is not None}
     if not given:
         raise UsageError("nothing to verify: give SRC DST, or --target/--assistant with --converted")

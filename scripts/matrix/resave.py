@@ -6,7 +6,7 @@ rope written as "axial"). The factory (converter.synthetic) uses it so that test
 producer, never from a hand-written imitation.
 
 The file imports only the standard library and transformers, so it also runs BY PATH under another
-interpreter (a cached vLLM env holding another transformers version): `python converter/testing/resave.py`
+interpreter (a cached vLLM env holding another transformers version): `python scripts/matrix/resave.py`
 reads {"name": config, ...} as JSON on stdin and prints {"transformers": version, "configs": {...}}.
 """
 

@@ -1,40 +1,20 @@
-"""The compatibility ledger's generated views: the `compat` verb's summary, the release and consumer tables of README.md
-and docs/COMPATIBILITY.md (their Hub columns are advice/serving.decide's answer), the card's proof lines.
-
-The rows themselves (advice/ledger.py) are re-exported here for the scripts and tests that read them.
+"""The repo's generated docs from the ledger: the release table of README.md and docs/COMPATIBILITY.md (its Hub
+columns are converter.advice.serving.decide's answer), the consumer table and every row with its figures.
+`make compat` (scripts/run_ledger.py) writes them; tests/test_ledger.py checks the committed docs against them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-from ..errors import InputError
-from ..gemma4 import FORM_FLAT, KV_MIXED, KV_UNIFORM
-from ..layouts import layouts_in_preference
-from .evidence import Shape
-from .serving import NO_CONVERSION, ServingEnv, decide
-from .ledger import (  # noqa: F401  (the rows, re-exported for scripts/ and tests/)
-    CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL, INSTALL_CASE, INSTALL_LAYOUT,
-    LEDGER_PATH, LEDGER_VERSION, LOADER_CASE_CONSUMERS, ORIGINAL, LedgerRow, NOT_RUN, PASS, SCOPE_ASSISTANT,
-    VERDICTS, VLLM, checks_loader_cases, ledger_document, load_ledger,
-    row_from_dict, sorted_rows, stale_rows, version_key)
-
-
-def summarize(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
-    """One line per (layout, check, vLLM, transformers, tp): how many cases passed of how many, the newest date."""
-    groups: dict[tuple, list[LedgerRow]] = {}
-    for row in rows:
-        if row.consumer == VLLM and row.verdict != NOT_RUN:  # other consumers: consumer_table; reasons: the tables
-            groups.setdefault((row.variant, row.check, row.vllm, row.transformers, row.tp), []).append(row)
-    lines = []
-    for (variant, check, vllm, transformers, tp), members in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], version_key(kv[0][2]), version_key(kv[0][3]))):
-        lines.append({"layout": variant, "check": check, "vllm": vllm, "transformers": transformers, "tp": tp,
-                      "passed": sum(r.verdict == PASS for r in members), "rows": len(members),
-                      "as_predicted": all(r.verdict == r.expected for r in members),
-                      "off_pin": any(not r.torch_pin for r in members),
-                      "measured": max(r.measured for r in members)})
-    return lines
+from converter.advice.evidence import Shape
+from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, NOT_RUN,
+                                     SCOPE_ASSISTANT, VLLM, LedgerRow, sorted_rows, version_key)
+from converter.advice.serving import NO_CONVERSION, ServingEnv, decide
+from converter.advice.tables import (consumer_table, drafting_text, passed_cell, summarize, variant_cells,
+                                     variants)
+from converter.errors import InputError
+from converter.gemma4 import FORM_FLAT, KV_MIXED, KV_UNIFORM
 
 
 def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
@@ -48,7 +28,7 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     for vllm in sorted({r.vllm for r in rows}, key=version_key):
         mine = [r for r in rows if r.vllm == vllm]
         loader = [r for r in mine if r.check == CHECK_LOADER]
-        cells = _variant_cells(loader, failure=lambda r: r.detail.split(":", 1)[0])  # the failure's stage
+        cells = variant_cells(loader, failure=lambda r: r.detail.split(":", 1)[0])  # the failure's stage
         engine = [r for r in mine if r.check == CHECK_ENGINE and r.verdict != NOT_RUN]
         not_run = [r.detail for r in mine if r.check == CHECK_ENGINE and r.verdict == NOT_RUN]
         install = [r for r in mine if r.check == CHECK_INSTALL]
@@ -56,29 +36,12 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
         lines.append({"vllm": vllm, "packages": sorted({r.vllm_package for r in ran}),
                       "off_pin": any(not r.torch_pin for r in ran),
                       "transformers": sorted({r.transformers for r in ran if r.transformers}, key=version_key), **cells,
-                      "engine": {**_passed_cell(engine, failure=lambda r: f"{r.layout} {r.case}: "
+                      "engine": {**passed_cell(engine, failure=lambda r: f"{r.layout} {r.case}: "
                                                                           f"{r.detail.split('; ')[0]}"),
                                  "reason": not_run[0] if not_run and not engine else None},
-                      "install": _passed_cell(install, failure=lambda r: r.detail),
+                      "install": passed_cell(install, failure=lambda r: r.detail),
                       "advice": {kv: hub_advice(vllm, kv) for kv in (KV_MIXED, KV_UNIFORM)}})
     return lines
-
-
-def _passed_cell(rows: list[LedgerRow], *, failure: Callable[[LedgerRow], str]) -> dict[str, Any]:
-    """{passed, rows, failure}: how many of `rows` passed, and `failure` of the first that did not (None: none)."""
-    failed = [r for r in rows if r.verdict != PASS]
-    return {"passed": len(rows) - len(failed), "rows": len(rows), "failure": failure(failed[0]) if failed else None}
-
-
-def variants() -> tuple[str, ...]:
-    """The tables' columns: the original, then each layout (its default options), cheapest first."""
-    return (ORIGINAL, *(layout.variant for layout in layouts_in_preference()))
-
-
-def _variant_cells(rows: list[LedgerRow], *, failure: Callable[[LedgerRow], str]) -> dict[str, dict[str, Any]]:
-    """_passed_cell of each variant's rows (variants())."""
-    return {variant: _passed_cell([r for r in rows if r.variant == variant], failure=failure)
-            for variant in variants()}
 
 
 def _markdown_cell(cell: dict[str, Any]) -> str:
@@ -110,61 +73,6 @@ def render_release_markdown(rows: Iterable[LedgerRow]) -> str:
     return "\n".join(out) + "\n"
 
 
-def consumer_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
-    """One line per consumer other than vLLM and its release: per variant, rows passed of run (the first failure's
-    detail), the cases checked, and `drafting` (drafting_cells)."""
-    rows = [r for r in rows if r.consumer != VLLM]
-    lines = []
-    for consumer, version in sorted({(r.consumer, r.consumer_version) for r in rows},
-                                    key=lambda cv: (cv[0], version_key(cv[1]))):
-        mine = [r for r in rows if (r.consumer, r.consumer_version) == (consumer, version)]
-        loading = [r for r in mine if r.check == CHECK_CONSUMER]
-        cells = _variant_cells(loading, failure=lambda r: r.detail)
-        notes = sorted({r.detail for r in loading if r.verdict == PASS and r.detail}
-                       | {f"{r.case}: {r.check} not run: {r.detail}" for r in mine if r.verdict == NOT_RUN})
-        lines.append({"consumer": consumer, "version": version, "cases": sorted({r.case for r in mine}),
-                      "transformers": sorted({r.transformers for r in mine if r.transformers}, key=version_key),
-                      **cells, "drafting": drafting_cells(mine),
-                      "notes": notes, "measured": max(r.measured for r in mine)})
-    return lines
-
-
-ASSISTED = "assisted_identical"  # a consumer row's figure: generation with the assistant drafting gave the same tokens
-
-
-def proves_drafting(row: LedgerRow) -> bool | None:
-    """Whether a row shows the assistant drafting as the original pair's does (True), not doing so (False), or says
-    nothing of drafting (None): a `draft` row by its verdict, a consumer row by its assisted-generation figure."""
-    if row.check == CHECK_DRAFT:
-        return None if row.verdict == NOT_RUN else row.verdict == PASS
-    if row.check == CHECK_CONSUMER and ASSISTED in row.figures and row.figures.get("assistant_error") is None:
-        return bool(row.figures[ASSISTED]) and row.verdict == PASS
-    return None
-
-
-def drafting_cells(rows: list[LedgerRow]) -> dict[str, Any]:
-    """{variant: {passed, rows}} of the rows that say whether the assistant drafts (proves_drafting), and `controls`:
-    {failed, rows} of the negative controls a `draft` check runs beside them (they must fail); {} where no row says."""
-    saying = [r for r in rows if proves_drafting(r) is not None]
-    cells: dict[str, Any] = {}
-    for variant in variants():
-        mine = [r for r in saying if r.variant == variant]
-        if mine:
-            cells[variant] = {"passed": sum(bool(proves_drafting(r)) for r in mine), "rows": len(mine)}
-    controls = [r for r in saying if r.variant not in variants() and r.expected == FAIL]
-    if controls:
-        cells["controls"] = {"failed": sum(r.verdict == FAIL for r in controls), "rows": len(controls)}
-    return cells
-
-
-def _drafting_text(cells: dict[str, Any]) -> str:
-    """"per-layer 3/3, pad-global 3/3 (controls fail 6/6)", or "-"."""
-    parts = [f"{v} {c['passed']}/{c['rows']}" for v, c in cells.items() if v != "controls"]
-    controls = cells.get("controls")
-    return (", ".join(parts) + (f" (controls fail {controls['failed']}/{controls['rows']})" if controls else "")
-            ) or "-"
-
-
 def render_consumer_markdown(rows: Iterable[LedgerRow]) -> str:
     """The other consumers' table of docs/COMPATIBILITY.md (generated from the ledger)."""
     out = [f"| consumer | release | {' | '.join(variants())} | drafting with the assistant | cases | noted |",
@@ -172,7 +80,7 @@ def render_consumer_markdown(rows: Iterable[LedgerRow]) -> str:
     for line in consumer_table(rows):
         notes = "; ".join(line["notes"]).replace("|", "\\|") or "-"
         cells = " | ".join(_markdown_cell(line[key]) for key in variants())
-        out.append(f"| {line['consumer']} | {line['version']} | {cells} | {_drafting_text(line['drafting'])} | "
+        out.append(f"| {line['consumer']} | {line['version']} | {cells} | {drafting_text(line['drafting'])} | "
                    f"{', '.join(line['cases'])} | {notes} |")
     return "\n".join(out) + "\n"
 
@@ -191,25 +99,6 @@ def with_release_table(text: str, rows: Iterable[LedgerRow]) -> str:
     if start < 0 or end < start:
         raise InputError(f"no release table markers ({RELEASE_TABLE_BEGIN} ... {RELEASE_TABLE_END}) in the README")
     return text[:start + len(RELEASE_TABLE_BEGIN)] + "\n" + render_release_markdown(rows) + text[end:]
-
-
-def render_table(rows: Iterable[LedgerRow]) -> str:
-    """The summary as an aligned text table (the `compat` verb)."""
-    rows = tuple(rows)
-    lines = summarize(rows)
-    if not lines:
-        return "the ledger is empty: run `make compat`"
-    header = ("layout", "check", "vLLM", "transformers", "TP", "passed", "as predicted", "measured")
-    body = [(s["layout"], s["check"], s["vllm"] + (" (off-pin torch)" if s["off_pin"] else ""), s["transformers"],
-             str(s["tp"]), f"{s['passed']}/{s['rows']}", "yes" if s["as_predicted"] else "NO", s["measured"])
-            for s in lines]
-    widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
-    table = "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in (header, *body))
-    others = [f"{c['consumer']} {c['version']}: " + ", ".join(f"{v} {c[v]['passed']}/{c[v]['rows']}"
-                                                              for v in variants())
-              + (f"; drafting: {_drafting_text(c['drafting'])}" if c["drafting"] else "")
-              for c in consumer_table(rows)]
-    return table + ("\n\nother consumers:\n" + "\n".join("  " + line for line in others) if others else "")
 
 
 def _figures_text(row: LedgerRow) -> str:
@@ -250,7 +139,7 @@ def render_markdown(rows: Iterable[LedgerRow]) -> str:
     out = ["# Compatibility ledger", "",
            "Generated by `make compat` from `converter/advice/ledger.json`; do not edit by hand. "
            "`gemma4-convert compat` prints the same summary; `gemma4-convert compat --json` every row.", "",
-           "Each row is one check of one synthetic pair (real Gemma 4 names and ratios, `converter/testing/cases.py`) "
+           "Each row is one check of one synthetic pair (real Gemma 4 names and ratios, `scripts/matrix/cases.py`) "
            "in one environment: the stock vLLM **loader** (every loaded tensor compared with the checkpoint, and the "
            "draft's KV-cache geometry with the target layer it reads) or the vLLM CPU **engine** (greedy tokens, "
            "draft proposals and logprobs of the converted pair against the original's). `verdict` is what vLLM did, "

@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..advice.ledger import ORIGINAL
-from ..gemma4 import text_config_of
+from converter.advice.ledger import ORIGINAL
+from converter.gemma4 import text_config_of
 from .synthetic import (PRESETS, Preset, as_qat_assistant, calm_attention, dequantize_checkpoint, engine_preset, fp8_quantization_config,
                         int8_quantization_config, modelopt_nvfp4_config, scale_for_engine, snap_to_q4_0_grid,
                         tiny_preset, w4a16_quantization_config, write_engine_pair, write_pair)
@@ -620,7 +620,7 @@ def engine_key(name: str) -> str:
 def case_digests(root: Path) -> dict[tuple[str, str], str]:
     """(case, variant) -> pair digest of every loader and engine case built now under root (variant: "original",
     "per-layer", "per-layer --flat-keys-only", "pad-global"); what tests/test_ledger.py compares with the ledger."""
-    from ..proof.digest import pair_digest
+    from converter.proof.digest import pair_digest
 
     digests: dict[tuple[str, str], str] = {}
     for name in SOURCES:

@@ -6,7 +6,7 @@ benchmarks all use this factory. Tensor names follow transformers 5.23's Gemma 4
 
 Config files: "legacy" is the published Hub file (written by transformers 5.5, before per_layer_config
 existed; nothing here can produce it, so it is written out). Every other dialect is what transformers'
-own config classes and `save_pretrained` make of that file (converter/testing/resave.py), in this process or
+own config classes and `save_pretrained` make of that file (scripts/matrix/resave.py), in this process or
 under another interpreter's transformers (`saved_by`), never an imitation.
 
 Geometry sources: the 31B target and assistant numbers are from their published config.json
@@ -33,8 +33,8 @@ from typing import Callable, Iterator
 import torch
 from safetensors.torch import save_file
 
-from ..gemma4 import FULL, SLIDING, text_config_of
-from ..quantization import weight_scheme
+from converter.gemma4 import FULL, SLIDING, text_config_of
+from converter.quantization import weight_scheme
 
 S, F = SLIDING, FULL
 
@@ -238,7 +238,7 @@ _RESAVE_SCRIPT = Path(__file__).with_name("resave.py")
 def resave_documents(documents: dict[str, dict], *, python: str | None = None) -> tuple[str, dict[str, dict]]:
     """(transformers version, documents) after transformers' `save_pretrained`: this process's, or `python`'s.
 
-    Another interpreter runs converter/testing/resave.py by path (it needs only transformers there), one process for
+    Another interpreter runs scripts/matrix/resave.py by path (it needs only transformers there), one process for
     all documents.
 
     Raises:

@@ -6,7 +6,8 @@ engine tests of every row, the `compat`-marked ones included, with each row reco
 every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md. Incremental by default: a row
 whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
 
-usage: scripts/compat.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] [--case NAME ...] [--vllm X]
+usage: scripts/run_ledger.py --docs-only      (run nothing: the docs from the committed ledger)
+       scripts/run_ledger.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] [--case NAME ...] [--vllm X]
                          SPEC [SPEC ...]
 --check install|consumer|engine|draft: run only that check's tests and replace only its rows (the others stay as the ledger
 has them).
@@ -33,10 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from converter.advice.compat import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, LEDGER_PATH,  # noqa: E402
-                                     ledger_document, load_ledger,
-                                     render_markdown, row_from_dict, with_release_table)
-from converter.testing.cases import RELEASES  # noqa: E402
+from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, LEDGER_PATH,  # noqa: E402
+                                     ledger_document, load_ledger, row_from_dict)
+from matrix.doc_tables import render_markdown, with_release_table  # noqa: E402
+from matrix.cases import RELEASES  # noqa: E402
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"
 README = REPO / "README.md"
@@ -84,9 +85,17 @@ def module_seconds(junit: Path) -> dict[str, float]:
     return seconds
 
 
+def write_docs(rows: list) -> None:
+    """docs/COMPATIBILITY.md and the README's release table, generated from the ledger's rows."""
+    DOC.write_text(render_markdown(rows), encoding="utf-8")
+    README.write_text(with_release_table(README.read_text(encoding="utf-8"), rows), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("specs", nargs="+", metavar="SPEC", help="PACKAGE:VERSION:TRANSFORMERS (envs.sh)")
+    parser.add_argument("specs", nargs="*", metavar="SPEC", help="PACKAGE:VERSION:TRANSFORMERS (envs.sh)")
+    parser.add_argument("--docs-only", action="store_true",
+                        help="run nothing: rewrite docs/COMPATIBILITY.md and README's release table from the ledger")
     parser.add_argument("--all", action="store_true", help="re-run every row, even those the ledger already proves")
     parser.add_argument("--resume", type=Path, metavar="ROWS",
                         help=f"carry over the passed rows of an earlier failed run (it saves them in {RESUME_FILE})")
@@ -98,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm", default="", metavar="X",
                         help="run only the rows of vLLM release X; the ledger's other rows are kept as they are")
     args = parser.parse_args(argv)
+    if args.docs_only:
+        write_docs(load_ledger())
+        print(f"compat: {DOC.relative_to(REPO)} and {README.relative_to(REPO)} rewritten from "
+              f"{LEDGER_PATH.relative_to(REPO)}")
+        return 0
+    if not args.specs:
+        parser.error("name the envs to run in (SPEC ...), or --docs-only")
 
     started = time.monotonic()
     pythons, env_seconds = build_envs(args.specs)
@@ -129,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     releases = {release.vllm: release.transformers_range for release in RELEASES if release.transformers_range}
     LEDGER_PATH.write_text(json.dumps(ledger_document(rows, releases), indent=1) + "\n", encoding="utf-8")
-    DOC.write_text(render_markdown(rows), encoding="utf-8")
-    README.write_text(with_release_table(README.read_text(encoding="utf-8"), rows), encoding="utf-8")
+    write_docs(rows)
     fresh = sum(row.measured == datetime.date.today().isoformat() for row in rows)
     print(f"compat: {len(rows)} rows ({fresh} measured today, the rest carried over) -> "
           f"{LEDGER_PATH.relative_to(REPO)}, {DOC.relative_to(REPO)}; envs {env_seconds:.0f} s, total {wall:.0f} s")
