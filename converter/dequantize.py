@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from .errors import InputError, UsageError
 from .gemma4 import ModelSpec, text_config_of
-from .plan import TensorPlan
+from .plan import TensorPlan, Transform
 from .quantization import COMPRESSED_TENSORS, PACK_QUANTIZED, weight_scheme
 from .read.checkpoint import Checkpoint
 
@@ -82,7 +82,7 @@ def _packed_weight(module: str, parts: Mapping[str, TensorPlan], config: Mapping
     rows, words = packed.shape
     columns = words * (32 // scheme.num_bits)
     return TensorPlan(name=f"{module}.weight", dtype=dtype, shape=(rows, columns), source=packed.source,
-                      action=ACTION_DEQUANTIZED, transform="dequantize_packed",
+                      action=ACTION_DEQUANTIZED, transform=Transform.DEQUANTIZE_PACKED,
                       companions=(scale.source, shape.source))
 
 
@@ -92,7 +92,7 @@ def _scaled_weight(module: str, parts: Mapping[str, TensorPlan], dtype: str, sou
         raise InputError(f"{source}: {module}.weight is {weight.dtype}{list(weight.shape)}: --dequantize-assistant "
                          "takes 2-D float8 or int8 weights beside their weight_scale")
     return TensorPlan(name=weight.name, dtype=dtype, shape=weight.shape, source=weight.source,
-                      action=ACTION_DEQUANTIZED, transform="dequantize_scaled", companions=(scale.source,))
+                      action=ACTION_DEQUANTIZED, transform=Transform.DEQUANTIZE_SCALED, companions=(scale.source,))
 
 
 def _plain_dtype(checkpoint: Checkpoint) -> str:

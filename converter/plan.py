@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -22,9 +23,51 @@ ACTION_KEPT = "kept"
 ACTION_SPLIT = "split"
 
 
-# The transforms (transforms.py) that spread a weight's input columns with zeros between: a block of 32 output columns
-# then holds half of a source block and zeros, so a weight on ggml's Q4_0 grid (QAT) leaves it (advice/pitfalls.py)
-SPREADS_INPUT_COLUMNS = frozenset({"pad_head_columns", "pad_packed_columns"})
+class Transform(str, Enum):
+    """Every pure tensor function a plan may name (transforms.TRANSFORMS holds one per member): the name is what
+    conversion.json records. What the plan and the advice must know of each is asked of the member, so a new
+    transform is one member here and one function in transforms.py."""
+
+    PAD_HEAD_ROWS = "pad_head_rows"
+    PAD_HEAD_NORM = "pad_head_norm"
+    PAD_HEAD_COLUMNS = "pad_head_columns"
+    REPLICATE_KV_HEADS = "replicate_kv_heads"
+    REPEAT_COLUMNS = "repeat_columns"
+    REPEAT_ROWS = "repeat_rows"
+    PAD_PACKED_COLUMNS = "pad_packed_columns"
+    SCALE_WEIGHT_SHAPE = "scale_weight_shape"
+    DEQUANTIZE_PACKED = "dequantize_packed"
+    DEQUANTIZE_SCALED = "dequantize_scaled"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @classmethod
+    def named(cls, name: str | None) -> Transform | None:
+        """The member a TensorPlan's `transform` names; None for none (a kept or split tensor)."""
+        try:
+            return cls(name)
+        except ValueError:
+            return None
+
+    @property
+    def spreads_input_columns(self) -> bool:
+        """Whether it spreads a weight's input columns with zeros between: a block of 32 output columns then holds
+        half of a source block and zeros, so a weight on ggml's Q4_0 grid (QAT) leaves it (advice/pitfalls.py)."""
+        return self in (Transform.PAD_HEAD_COLUMNS, Transform.PAD_PACKED_COLUMNS)
+
+    def row_units(self, params: Mapping[str, int]) -> tuple[int, int, str | None] | None:
+        """(source rows, output rows, the param that counts the units) of one unit, where the output rows come from
+        whole units of the source rows alone (a head's rows, or each row); None for the others."""
+        if self is Transform.PAD_HEAD_ROWS:
+            return params["head_dim"], params["target_head_dim"], "num_heads"
+        if self is Transform.REPLICATE_KV_HEADS:
+            return params["head_dim"], params["head_dim"] * params["repeats"], "num_heads"
+        if self is Transform.REPEAT_ROWS:
+            return 1, params["repeats"], None
+        if self in (Transform.PAD_HEAD_COLUMNS, Transform.REPEAT_COLUMNS, Transform.PAD_PACKED_COLUMNS):
+            return 1, 1, None
+        return None
 
 
 @dataclass(frozen=True)
@@ -54,20 +97,10 @@ class TensorPlan:
     def is_copy(self) -> bool:
         return self.transform is None
 
-
-def _row_units(tensor: TensorPlan) -> tuple[int, int, str | None] | None:
-    """(source rows, output rows, the param that counts the units) of one unit of a transform whose output rows
-    come from whole units of its source rows alone (a head's rows, or each row); None for the others."""
-    params = tensor.params
-    if tensor.transform == "pad_head_rows":
-        return params["head_dim"], params["target_head_dim"], "num_heads"
-    if tensor.transform == "replicate_kv_heads":
-        return params["head_dim"], params["head_dim"] * params["repeats"], "num_heads"
-    if tensor.transform == "repeat_rows":
-        return 1, params["repeats"], None
-    if tensor.transform in ("pad_head_columns", "repeat_columns", "pad_packed_columns"):
-        return 1, 1, None
-    return None
+    @property
+    def spreads_input_columns(self) -> bool:
+        kind = Transform.named(self.transform)
+        return bool(kind and kind.spreads_input_columns)
 
 
 def row_pieces(tensor: TensorPlan, max_bytes: int) -> tuple[TensorPlan, ...]:
@@ -78,7 +111,8 @@ def row_pieces(tensor: TensorPlan, max_bytes: int) -> tuple[TensorPlan, ...]:
     cores' caches and are reused, not in fresh pages the kernel must fault in and zero (docs/BENCHMARKS.md). A tensor
     of at most max_bytes, or one whose transform mixes rows, is one piece.
     """
-    units = _row_units(tensor)
+    kind = Transform.named(tensor.transform)
+    units = kind.row_units(tensor.params) if kind else None
     if tensor.nbytes <= max_bytes or units is None or len(tensor.source.shape) < 2:
         return (tensor,)
     rows_in, rows_out, count_param = units

@@ -12,14 +12,12 @@ like the original pair (i, i + d/2), with the same frequency, so no rope config 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from .plan import TensorPlan, Transform
 from .read.safetensors_header import DTYPES
-
-if TYPE_CHECKING:
-    from .plan import TensorPlan
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -244,17 +242,17 @@ def dequantize_scaled(weight: torch.Tensor, scale: torch.Tensor, *, out: torch.T
     return weight.to(scale.dtype) * expand_scale(scale, tuple(weight.shape))
 
 
-TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
-    "pad_head_rows": pad_head_rows,
-    "pad_head_norm": pad_head_norm,
-    "pad_head_columns": pad_head_columns,
-    "replicate_kv_heads": replicate_kv_heads,
-    "repeat_columns": repeat_columns,
-    "repeat_rows": repeat_rows,
-    "pad_packed_columns": pad_packed_columns,
-    "scale_weight_shape": scale_weight_shape,
-    "dequantize_packed": dequantize_packed,
-    "dequantize_scaled": dequantize_scaled,
+TRANSFORMS: dict[Transform, Callable[..., torch.Tensor]] = {  # one function per plan.Transform
+    Transform.PAD_HEAD_ROWS: pad_head_rows,
+    Transform.PAD_HEAD_NORM: pad_head_norm,
+    Transform.PAD_HEAD_COLUMNS: pad_head_columns,
+    Transform.REPLICATE_KV_HEADS: replicate_kv_heads,
+    Transform.REPEAT_COLUMNS: repeat_columns,
+    Transform.REPEAT_ROWS: repeat_rows,
+    Transform.PAD_PACKED_COLUMNS: pad_packed_columns,
+    Transform.SCALE_WEIGHT_SHAPE: scale_weight_shape,
+    Transform.DEQUANTIZE_PACKED: dequantize_packed,
+    Transform.DEQUANTIZE_SCALED: dequantize_scaled,
 }
 
 
@@ -263,7 +261,7 @@ def apply_transform(name: str, tensor: torch.Tensor, params: dict[str, int], out
     """Runs the named transform; the name and params are what conversion.json records for the tensor. The result is
     written into `out` (a flat byte tensor of its size) where the transform can, else into a new tensor.
     `companions`: the further tensors a transform reads (a quantized weight's scale), in its order."""
-    return TRANSFORMS[name](tensor, *companions, out=out, **params)
+    return TRANSFORMS[Transform(name)](tensor, *companions, out=out, **params)
 
 
 def decode(raw: bytes | bytearray | memoryview, *, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

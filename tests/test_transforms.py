@@ -183,3 +183,11 @@ def test_a_transform_that_mixes_rows_is_one_piece():
     norm = TensorPlan("n", "BF16", (8192,), SourceSlice.whole(ref), "padded", transform="pad_head_norm",
                       params={"head_dim": 4096, "target_head_dim": 8192})
     assert row_pieces(norm, max_bytes=1024) == (norm,)
+
+
+def test_every_transform_a_plan_may_name_has_its_function():
+    """plan.Transform and transforms.TRANSFORMS name the same transforms: a member without a function (or a function
+    no plan can name) is a layout that plans what the writer cannot render."""
+    from converter.plan import Transform
+    from converter.transforms import TRANSFORMS
+    assert set(TRANSFORMS) == set(Transform) and all(callable(f) for f in TRANSFORMS.values())

@@ -16,7 +16,6 @@ from ..gemma4 import ASSISTANT_MODEL_TYPES, ModelSpec, Role, text_config_of
 from ..layouts import layouts_in_preference
 from .ledger import FAIL, SCOPE_ASSISTANT, load_ledger, version_key
 from ..read.checkpoint import Checkpoint
-from ..plan import SPREADS_INPUT_COLUMNS
 from ..validate.attention import find_attention_tensors
 from ..validate.q4_0_grid import sits_on_q4_0_grid
 
@@ -96,8 +95,7 @@ def q4_0_grid_notes(checkpoint: Checkpoint, only: str | None = None) -> list[str
         except (InputError, UnsupportedLayoutError):  # a layout that refuses the checkpoint writes nothing
             continue
         spreading[layout.name] = [t.source.ref.name for t in tensors
-                                  if layout.plan_attention(t, checkpoint.spec, t.source.ref.name).transform
-                                  in SPREADS_INPUT_COLUMNS]
+                                  if layout.plan_attention(t, checkpoint.spec, t.source.ref.name).spreads_input_columns]
     if not any(spreading.values()) or not sits_on_q4_0_grid(checkpoint):
         return []
     keeping = [name for name, spread in spreading.items() if not spread]

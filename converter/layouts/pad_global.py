@@ -27,7 +27,7 @@ from typing import Any
 from ..cost import homogeneous
 from ..errors import InputError
 from ..gemma4 import DIALECT_LEGACY, FORM_HOMOGENEOUS, KV_UNIFORM, AttentionConfig, LayerGeometry, ModelSpec
-from ..plan import TensorPlan
+from ..plan import TensorPlan, Transform
 from ..quantization import WeightScheme, weight_scheme
 from ..validate.attention import AttentionTensor
 from .base import Layout, explicit_geometry, kept, register_layout, transformed
@@ -115,19 +115,19 @@ class PadGlobalLayout(Layout):
             ratio = target // layer.head_dim
             if tensor.module in ("q_proj", "k_proj", "v_proj") and per_row:
                 heads = a.num_heads if tensor.module == "q_proj" else layer.num_kv_heads
-                return transformed(tensor, out_name, action="padded", transform="pad_head_rows",
+                return transformed(tensor, out_name, action="padded", transform=Transform.PAD_HEAD_ROWS,
                                    shape=(shape[0] * ratio, *shape[1:]), num_heads=heads,
                                    head_dim=layer.head_dim, target_head_dim=target)
             if tensor.module in ("q_norm", "k_norm") and tensor.param == "weight":
-                return transformed(tensor, out_name, action="padded", transform="pad_head_norm",
+                return transformed(tensor, out_name, action="padded", transform=Transform.PAD_HEAD_NORM,
                                    shape=(target,), head_dim=layer.head_dim, target_head_dim=target)
             if tensor.module == "o_proj" and tensor.param == "weight":
-                return transformed(tensor, out_name, action="padded-columns", transform="pad_head_columns",
+                return transformed(tensor, out_name, action="padded-columns", transform=Transform.PAD_HEAD_COLUMNS,
                                    shape=(shape[0], shape[1] * ratio), num_heads=a.num_heads,
                                    head_dim=layer.head_dim, target_head_dim=target)
         elif layer.num_kv_heads != a.num_kv_heads and tensor.module == "k_proj" and per_row:
             repeats = a.num_kv_heads // layer.num_kv_heads
-            return transformed(tensor, out_name, action="replicated", transform="replicate_kv_heads",
+            return transformed(tensor, out_name, action="replicated", transform=Transform.REPLICATE_KV_HEADS,
                                shape=(shape[0] * repeats, *shape[1:]), num_heads=layer.num_kv_heads,
                                head_dim=layer.head_dim, repeats=repeats)
         return kept(tensor, out_name)
@@ -141,15 +141,15 @@ class PadGlobalLayout(Layout):
         target, rows_per_block = a.global_head_dim, block[0]
         if layer.head_dim != target and tensor.module in ("q_proj", "k_proj", "v_proj"):
             ratio = target // layer.head_dim
-            return transformed(tensor, out_name, action="padded", transform="repeat_rows",
+            return transformed(tensor, out_name, action="padded", transform=Transform.REPEAT_ROWS,
                                shape=(shape[0] * ratio, *shape[1:]), repeats=ratio)
         if layer.head_dim != target and tensor.module == "o_proj":
             ratio = target // layer.head_dim
-            return transformed(tensor, out_name, action="padded-columns", transform="repeat_columns",
+            return transformed(tensor, out_name, action="padded-columns", transform=Transform.REPEAT_COLUMNS,
                                shape=(shape[0], shape[1] * ratio), repeats=ratio)
         if layer.head_dim == target and layer.num_kv_heads != a.num_kv_heads and tensor.module == "k_proj":
             repeats = a.num_kv_heads // layer.num_kv_heads
-            return transformed(tensor, out_name, action="replicated", transform="replicate_kv_heads",
+            return transformed(tensor, out_name, action="replicated", transform=Transform.REPLICATE_KV_HEADS,
                                shape=(shape[0] * repeats, *shape[1:]), num_heads=layer.num_kv_heads,
                                head_dim=layer.head_dim // rows_per_block, repeats=repeats)
         return kept(tensor, out_name)
@@ -166,22 +166,22 @@ class PadGlobalLayout(Layout):
             return kept(tensor, out_name)
         if tensor.param == "weight_shape":
             rows, columns = (1, ratio) if tensor.module == "o_proj" else (ratio if ratio > 1 else repeats, 1)
-            return transformed(tensor, out_name, action="reshaped", transform="scale_weight_shape", shape=shape,
+            return transformed(tensor, out_name, action="reshaped", transform=Transform.SCALE_WEIGHT_SHAPE, shape=shape,
                                rows=rows, columns=columns)
         if tensor.module != "o_proj":  # weight_packed rows: the per-row transforms move whole int32 words
             if ratio > 1:
                 heads = a.num_heads if tensor.module == "q_proj" else layer.num_kv_heads
-                return transformed(tensor, out_name, action="padded", transform="pad_head_rows",
+                return transformed(tensor, out_name, action="padded", transform=Transform.PAD_HEAD_ROWS,
                                    shape=(shape[0] * ratio, *shape[1:]), num_heads=heads, head_dim=layer.head_dim,
                                    target_head_dim=a.global_head_dim)
-            return transformed(tensor, out_name, action="replicated", transform="replicate_kv_heads",
+            return transformed(tensor, out_name, action="replicated", transform=Transform.REPLICATE_KV_HEADS,
                                shape=(shape[0] * repeats, *shape[1:]), num_heads=layer.num_kv_heads,
                                head_dim=layer.head_dim, repeats=repeats)
         if tensor.param == "weight_packed":
-            return transformed(tensor, out_name, action="padded-columns", transform="pad_packed_columns",
+            return transformed(tensor, out_name, action="padded-columns", transform=Transform.PAD_PACKED_COLUMNS,
                                shape=(shape[0], shape[1] * ratio), num_bits=int(scheme.num_bits), ratio=ratio)
         if scheme.strategy == "group":  # o_proj's group scales: each new group reads one source group
-            return transformed(tensor, out_name, action="padded-columns", transform="repeat_columns",
+            return transformed(tensor, out_name, action="padded-columns", transform=Transform.REPEAT_COLUMNS,
                                shape=(shape[0], shape[1] * ratio), repeats=ratio)
         return kept(tensor, out_name)  # channel scales: the zero codes are exact under any scale
 
