@@ -20,8 +20,7 @@ import pytest
 
 from converter.advice.ledger import CHECK_CONSUMER, FAIL, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from matrix.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, ENGINE_SOURCES, ORIGINAL,
-                                     TRANSFORMERS_LIMITS)
+from matrix.cases import CONSUMER_ROWS, ENGINE_SOURCES, ORIGINAL, TRANSFORMERS_LIMITS
 
 from _consumers import assert_varied, max_diff, record_as_expected, run_check, variants
 from _ledger import skip_if_all_unchanged, today
@@ -37,7 +36,7 @@ CI_ROW = None
 
 def _params() -> list:
     return [pytest.param(name, tf, marks=[pytest.mark.vllm_loader] + ([] if (name, tf) == CI_ROW else [pytest.mark.compat]),
-                         id=f"{name}-{tf}") for tf in CONSUMER_TRANSFORMERS for name in CONSUMER_SOURCES]
+                         id=f"{name}-{tf}") for name, tf in CONSUMER_ROWS]
 
 
 def judge(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:

@@ -22,7 +22,7 @@ from matrix.doc_tables import render_markdown, with_release_table
 from converter.advice.ledger import SCOPE_ASSISTANT
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from matrix.cases import (CONSUMER_SOURCES, CONSUMER_TRANSFORMERS, CONVERSIONS, DEQUANTIZE_ASSISTANT,
+from matrix.cases import (CONSUMER_ROWS, CONVERSIONS, DEQUANTIZE_ASSISTANT,
                                      DEQUANTIZED_ENGINE_CASE, DRAFT_CONTROLS,
                                      ENGINE_RELEASE_SOURCES, ENGINE_SOURCES, ENGINE_TP_DRAFT_FLIPS, ENGINE_TP_SIZES,
                                      ENGINE_TP_SOURCES, ENGINE_VLLM, LEGACY_TRANSFORMERS, LLAMACPP_SOURCES,
@@ -105,8 +105,7 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
     consumer_newest = max((r.transformers for r in ledger if r.check == CHECK_CONSUMER), key=version_key,
                           default=NEWEST)
     want |= {(CHECK_CONSUMER, name, variant, "", consumer_newest if tf == NEWEST else tf, "", 1, "transformers")
-             for name in CONSUMER_SOURCES for variant in (ORIGINAL, "per-layer", "pad-global")
-             for tf in CONSUMER_TRANSFORMERS}
+             for name, tf in CONSUMER_ROWS for variant in (ORIGINAL, "per-layer", "pad-global")}
     for consumer, sources, tf in (("mlx-lm", MLX_SOURCES, MLX_TRANSFORMERS),
                                   ("llama.cpp", LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS),
                                   *(("sglang", SGLANG_SOURCES, tf) for tf in SGLANG_RELEASES.values())):

@@ -431,6 +431,13 @@ ENGINE_LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed co
 # 5.14.1 (the last before per_layer_config), 5.15.0 (the first with it), 5.19.0, and the newest
 CONSUMER_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "e2b")
 CONSUMER_TRANSFORMERS = ("5.8.0", LEGACY_TRANSFORMERS, "5.15.0", "5.19.0", NEWEST)
+# the forms Google shipped later (12B unified, the QAT pair): under the two transformers releases of the 0.27.0
+# envs CI builds (the last before 5.15 and the newest measured)
+LATER_FORM_CONSUMER_SOURCES = ("12b-unified", "31b-qat-q4_0")
+LATER_FORM_CONSUMER_TRANSFORMERS = (LEGACY_TRANSFORMERS, "5.24.0")
+# (engine case, transformers) of every transformers consumer row
+CONSUMER_ROWS = (tuple((name, tf) for tf in CONSUMER_TRANSFORMERS for name in CONSUMER_SOURCES)
+                 + tuple((name, tf) for tf in LATER_FORM_CONSUMER_TRANSFORMERS for name in LATER_FORM_CONSUMER_SOURCES))
 # what a transformers release cannot do for the ORIGINAL pair either (measured): the rows record it as the consumer's
 # own limit; a layout passes when it behaves exactly as the original does
 # mlx-lm (MLX's CPU backend) on the text-only engine cases: 31B geometry whose converter input is the
