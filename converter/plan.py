@@ -98,9 +98,13 @@ class TensorPlan:
         return self.transform is None
 
     @property
+    def kind(self) -> Transform | None:
+        """The transform it names, as the typed spec (None: kept or split)."""
+        return Transform.named(self.transform)
+
+    @property
     def spreads_input_columns(self) -> bool:
-        kind = Transform.named(self.transform)
-        return bool(kind and kind.spreads_input_columns)
+        return bool(self.kind and self.kind.spreads_input_columns)
 
 
 def row_pieces(tensor: TensorPlan, max_bytes: int) -> tuple[TensorPlan, ...]:
@@ -111,8 +115,7 @@ def row_pieces(tensor: TensorPlan, max_bytes: int) -> tuple[TensorPlan, ...]:
     cores' caches and are reused, not in fresh pages the kernel must fault in and zero (docs/BENCHMARKS.md). A tensor
     of at most max_bytes, or one whose transform mixes rows, is one piece.
     """
-    kind = Transform.named(tensor.transform)
-    units = kind.row_units(tensor.params) if kind else None
+    units = tensor.kind.row_units(tensor.params) if tensor.kind else None
     if tensor.nbytes <= max_bytes or units is None or len(tensor.source.shape) < 2:
         return (tensor,)
     rows_in, rows_out, count_param = units
