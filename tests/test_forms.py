@@ -64,7 +64,8 @@ def test_a_geometry_no_row_has_is_predicted_and_says_so(tmp_path, run_cli):
 
 def test_the_forms_join_the_ledger_on_0_27_and_the_newest_release():
     rows = [r for r in load_ledger() if r.case in ("12b-unified", "31b-qat-q4_0")]
-    assert {(r.case, r.vllm) for r in rows} == {(c, v) for c in ("12b-unified", "31b-qat-q4_0")
+    # vLLM's rows (the other consumers' rows name no vLLM release); every row's verdict is checked below
+    assert {(r.case, r.vllm) for r in rows if r.consumer == "vllm"} == {(c, v) for c in ("12b-unified", "31b-qat-q4_0")
                                                 for v in ("0.27.0", "0.34.0")}
     assert all(r.verdict == r.expected for r in rows)
     assert all(r.verdict == "pass" for r in rows if r.layout != "original")
