@@ -43,28 +43,38 @@ from .write.staging import make_directory, output_errors, staged_directory, writ
 
 @dataclass(frozen=True)
 class ConvertRequest:
-    """What `convert` was asked to do; exactly one of (single) or (target and/or assistant) is set."""
+    """What `convert` is asked to do: the verb's options as data (cli/convert.py). `convert` takes it as the user
+    gave it (a source a directory or a Hub id, the layout None for advice's choice); `plan_conversion` and `execute`
+    take it resolved (`convert` resolves it): every source a local directory, the layout named."""
 
     out: Path
-    layout: str
-    target: Path | None = None
+    # Role.SINGLE (one checkpoint converted straight into OUT), or TARGET and/or ASSISTANT: a directory, or (for
+    # `convert` only) a Hub repo OWNER/NAME[@REVISION]
+    sources: Mapping[Role, str | Path]
+    layout: str | None = None  # None: advice's decision for `serving` (the cheapest layout without one)
     # options of the layout (Layout.option_choices), e.g. {"keys": "flat"} for per-layer --flat-keys-only
     layout_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    assistant: Path | None = None
-    single: Path | None = None
+    serving: ServingEnv | None = None  # --serving / --serving-python: the environment the layout is chosen for
+    target_only: bool = False  # a Hub target alone stays alone (its published assistant is not looked up)
     force: bool = False
     max_shard_bytes: int | None = None
     link: str = "auto"  # how unchanged files get into the output: write.placement.LINK_MODES
     hashed: bool = True  # sha256 of every source and output file read or written (--no-hash: null in the manifest)
     tp: int | None = None  # the tensor-parallel size the user serves with (--tp): checked, named in the serve line
     any_name: bool = False  # --any-name: an output path vLLM misreads as another draft method warns, not refuses
+    dry_run: bool = False
     dequantize_assistant: bool = False  # --dequantize-assistant: the assistant's weights written plain float
+    # filled in by `convert` as it resolves the sources:
     # role -> {"repo_id", "revision", ...} for Hub sources (hub.LocalSource.origin)
     origins: Mapping[Role, Mapping[str, str]] = field(default_factory=dict, hash=False)
-    serving: ServingEnv | None = None  # the environment the layout was chosen for (recorded, quoted on the card)
     # source path -> its Checkpoint when already read another way (Hub headers over HTTP, hub.open_checkpoint);
     # every other source is read with read_checkpoint
     opened: Mapping[Path, Checkpoint] = field(default_factory=dict, hash=False)
+
+    @property
+    def single(self) -> bool:
+        """One checkpoint converted straight into OUT (given as SRC)."""
+        return Role.SINGLE in self.sources
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,8 @@ def plan_conversion(request: ConvertRequest) -> ConversionPlan:
         UsageError, InputError, OutputError: with one-line messages naming the file at fault.
     """
     sources = _sources(request)
+    if request.layout is None:
+        raise ValueError("plan_conversion takes a resolved request (a layout named): `convert` resolves one")
     if request.link not in LINK_MODES:
         raise UsageError(f"unknown --link {request.link!r}; choose one of {', '.join(LINK_MODES)}")
     layout = get_layout(request.layout, request.layout_options)
@@ -205,15 +217,11 @@ def _dequantized_roles(checkpoints: Mapping[Role, Checkpoint], request: ConvertR
 
 
 def _sources(request: ConvertRequest) -> dict[Role, Path]:
-    if request.single is not None:
-        if request.target is not None or request.assistant is not None:
-            raise UsageError("give either SRC or --target/--assistant, not both")
-        return {Role.SINGLE: request.single}
-    sources = {role: path for role, path in ((Role.TARGET, request.target), (Role.ASSISTANT, request.assistant))
-               if path is not None}
-    if not sources:
+    if request.single and len(request.sources) > 1:
+        raise UsageError("give either SRC or --target/--assistant, not both")
+    if not request.sources:
         raise UsageError("nothing to convert: give SRC, or --target and/or --assistant")
-    return sources
+    return {role: Path(path) for role, path in request.sources.items()}
 
 
 def _check_draft_name(plan: ConversionPlan) -> ConversionPlan:
@@ -337,31 +345,11 @@ def _write(plan: ConversionPlan, on_bytes: Callable[[int], None]) -> ConvertResu
 # ---------------------------------------------------------------------------------------- the verb's library call
 
 @dataclass(frozen=True)
-class ConvertJob:
-    """What `convert` is asked for, before any source is opened: the verb's options as data (cli/convert.py)."""
-
-    out: Path
-    sources: Mapping[Role, str]  # Role.SINGLE, or TARGET and/or ASSISTANT: a directory or OWNER/NAME[@REVISION]
-    layout: str | None = None  # None: advice's decision for `serving` (the cheapest layout without one)
-    layout_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    serving: ServingEnv | None = None  # --serving / --serving-python
-    target_only: bool = False  # a Hub target alone stays alone (its published assistant is not looked up)
-    force: bool = False
-    max_shard_bytes: int | None = None
-    link: str = "auto"
-    hashed: bool = True
-    tp: int | None = None
-    any_name: bool = False  # --any-name
-    dry_run: bool = False
-    dequantize_assistant: bool = False  # --dequantize-assistant
-
-
-@dataclass(frozen=True)
 class PreparedConversion:
     """What `convert` settled before writing anything: the verb prints it before the progress bar starts."""
 
-    job: ConvertJob
-    plan: ConversionPlan | None  # None: the source serves as it is where the job serves, so nothing is planned
+    request: ConvertRequest  # as the user gave it (plan.request: as resolved)
+    plan: ConversionPlan | None  # None: the source serves as it is where the request serves, so nothing is planned
     # advice's decision where one was asked for (no --layout, or --serving): its layout is the one planned unless
     # --layout named another
     decision: Decision | None
@@ -374,14 +362,15 @@ class PreparedConversion:
     assistant_refusal: str | None = None
 
 
-def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[PreparedConversion], None] = lambda p: None,
+def convert(request: ConvertRequest, *, api: Any = None,
+            on_prepared: Callable[[PreparedConversion], None] = lambda p: None,
             on_bytes: Callable[[int], None] = lambda n: None) -> tuple[PreparedConversion, ConvertResult | None]:
     """The verb: opens each source once (Hub: headers only, pinned to one commit), pairs a Hub target's published
     assistant, decides the layout, plans once; then, unless a dry run, locks OUT, downloads the Hub weights at the
     commits the plan was made from, and writes.
 
     Args:
-        job: the request.
+        request: as the user gave it (sources may be Hub ids, the layout None).
         api: an HfApi for Hub sources (None: huggingface_hub's own, made only when a source is a Hub repo).
         on_prepared: called with the decision and the plan before anything is locked, downloaded or written.
         on_bytes: progress, in source bytes processed (plan.source_bytes in all).
@@ -392,59 +381,60 @@ def convert(job: ConvertJob, *, api: Any = None, on_prepared: Callable[[Prepared
     Raises:
         UsageError, InputError, OutputError, HubError: one line each, naming the file or repo at fault.
     """
-    sources = {role: resolve_source(text, purpose="headers", api=api) for role, text in job.sources.items()}
+    sources = {role: resolve_source(str(text), purpose="headers", api=api) for role, text in request.sources.items()}
     opened = {role: open_checkpoint(source) for role, source in sources.items()}
-    check_roles(opened, job.sources)
+    check_roles(opened, _source_texts(request))
     paired = None
-    if not job.target_only:
-        paired = _pair_published_assistant(job, sources, opened, api)
-    decision = _decision(opened, job)
+    if not request.target_only:
+        paired = _pair_published_assistant(request, sources, opened, api)
+    decision = _decision(opened, request)
     # the sources' own measured refusal (a quantized assistant): no serve line for them, and no note that they serve
     source_refusal = next((r for r in (quantized_assistant_refusal(c.spec) for c in opened.values()) if r), None)
-    refusal = None if job.dequantize_assistant else source_refusal
-    if _serves_as_it_is(decision, job):
-        return PreparedConversion(job=job, plan=None, decision=decision, paired_assistant=paired, notes=(),
+    refusal = None if request.dequantize_assistant else source_refusal
+    if _serves_as_it_is(decision, request):
+        return PreparedConversion(request=request, plan=None, decision=decision, paired_assistant=paired, notes=(),
                                   source_serve_line=_source_serve_line(sources, opened),
                                   sources=tuple(sources.values()), assistant_refusal=refusal), None
-    request = ConvertRequest(
-        out=job.out, layout=job.layout or (decision.writes if decision else default_layout().name),
-        layout_options=job.layout_options, force=job.force, max_shard_bytes=job.max_shard_bytes, link=job.link,
-        hashed=job.hashed, tp=job.tp, any_name=job.any_name, serving=job.serving,
-        dequantize_assistant=job.dequantize_assistant,
+    resolved = replace(
+        request, layout=request.layout or (decision.writes if decision else default_layout().name),
+        sources={role: source.path for role, source in sources.items()},
         opened={sources[role].path: checkpoint for role, checkpoint in opened.items()},
-        origins={role: source.origin() for role, source in sources.items() if source.origin()},
-        **{role.value: source.path for role, source in sources.items()})
-    plan = plan_conversion(request)
-    notes = () if job.serving is not None or source_refusal else tuple(serving_notes(
+        origins={role: source.origin() for role, source in sources.items() if source.origin()})
+    plan = plan_conversion(resolved)
+    notes = () if request.serving is not None or source_refusal else tuple(serving_notes(
         [(f"the {'source' if i.role is Role.SINGLE else i.role}", shape_of(i.source.spec, fused=has_fused_qkv(i.source)))
          for i in plan.items], plan.request.layout))
-    prepared = PreparedConversion(job=job, plan=plan, decision=decision, paired_assistant=paired, notes=notes,
-                                  sources=tuple(sources.values()), names=_given_names(job, sources),
+    prepared = PreparedConversion(request=request, plan=plan, decision=decision, paired_assistant=paired, notes=notes,
+                                  sources=tuple(sources.values()), names=_given_names(request, sources),
                                   assistant_refusal=refusal)
     on_prepared(prepared)
-    if job.dry_run:
+    if request.dry_run:
         return prepared, None
-    with output_lock(job.out):  # before any download: a second run into OUT stops here, not after fetching weights
+    with output_lock(request.out):  # before any download: a second run into OUT stops here, not after fetching weights
         for source in sources.values():
             fetch_weights(source, api=api)
         return prepared, _write(plan, on_bytes)
 
 
-def _given_names(job: ConvertJob, sources: Mapping[Role, LocalSource]) -> dict[Role, str]:
+def _source_texts(request: ConvertRequest) -> dict[Role, str]:
+    return {role: str(text) for role, text in request.sources.items()}
+
+
+def _given_names(request: ConvertRequest, sources: Mapping[Role, LocalSource]) -> dict[Role, str]:
     """Each source as the user named it (a Hub id, not its snapshot folder), for the lines convert prints."""
-    given = dict(job.sources)
+    given = _source_texts(request)
     if Role.SINGLE in given and Role.SINGLE not in sources:  # a Hub target given as SRC, paired: now the target
         given[Role.TARGET] = given.pop(Role.SINGLE)
     return {role: given.get(role) or source.repo_id or str(source.path) for role, source in sources.items()}
 
 
-def _pair_published_assistant(job: ConvertJob, sources: dict[Role, LocalSource], opened: dict[Role, Checkpoint],
+def _pair_published_assistant(request: ConvertRequest, sources: dict[Role, LocalSource], opened: dict[Role, Checkpoint],
                               api: Any) -> tuple[str, str] | None:
     """A Hub target given without an assistant becomes a pair with OWNER/NAME-assistant, in place in `sources` and
     `opened`; local directories and an assistant given alone are left as they are."""
-    role = Role.SINGLE if Role.SINGLE in job.sources else Role.TARGET
-    ref = parse_repo_ref(job.sources.get(role, ""))
-    if ref is None or Role.ASSISTANT in job.sources or opened[role].spec.role != Role.TARGET:
+    role = Role.SINGLE if Role.SINGLE in request.sources else Role.TARGET
+    ref = parse_repo_ref(str(request.sources.get(role, "")))
+    if ref is None or Role.ASSISTANT in request.sources or opened[role].spec.role != Role.TARGET:
         return None
     repo_id, found, checkpoint = published_assistant(ref, api=api)
     if role is Role.SINGLE:
@@ -453,20 +443,20 @@ def _pair_published_assistant(job: ConvertJob, sources: dict[Role, LocalSource],
     return repo_id, ref.repo_id
 
 
-def _decision(opened: Mapping[Role, Checkpoint], job: ConvertJob) -> Decision | None:
+def _decision(opened: Mapping[Role, Checkpoint], request: ConvertRequest) -> Decision | None:
     """advice's decision for the checkpoint whose geometry the ledger matches (the target's where there is one),
     where one is asked for: no --layout, or a serving environment to say it for."""
-    if job.layout is not None and job.serving is None:
+    if request.layout is not None and request.serving is None:
         return None
     checkpoint = next(opened[r] for r in (Role.TARGET, Role.SINGLE, Role.ASSISTANT) if r in opened)
-    return decide(shape_of(checkpoint.spec, fused=has_fused_qkv(checkpoint)), job.serving)
+    return decide(shape_of(checkpoint.spec, fused=has_fused_qkv(checkpoint)), request.serving)
 
 
-def _serves_as_it_is(decision: Decision | None, job: ConvertJob) -> bool:
+def _serves_as_it_is(decision: Decision | None, request: ConvertRequest) -> bool:
     """No work for nothing: the environment named (or found beside the tool) serves the source as it is, and no
     --layout asks for a conversion anyway."""
-    return (decision is not None and decision.layout == NO_CONVERSION and job.layout is None
-            and job.serving is not None and not job.dequantize_assistant)
+    return (decision is not None and decision.layout == NO_CONVERSION and request.layout is None
+            and request.serving is not None and not request.dequantize_assistant)
 
 
 def _source_serve_line(sources: Mapping[Role, LocalSource], opened: Mapping[Role, Checkpoint]) -> str:
@@ -637,7 +627,7 @@ def _resolved(digest: PendingSha256 | Future | str | None) -> str | None:
 def serve_command(plan: ConversionPlan) -> str:
     """The `vllm serve` line for what was converted, with the output paths."""
     target, assistant = plan.item(Role.TARGET), plan.item(Role.ASSISTANT)
-    if plan.request.single is not None:
+    if plan.request.single:
         only = plan.items[0]
         target = only if only.plan.role == Role.TARGET else None
         assistant = only if only.plan.role == Role.ASSISTANT else None

@@ -25,6 +25,7 @@ from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetada
 
 from converter.cli import _common
 from converter.hub.errors import hub_http_client
+from converter.gemma4 import Role
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.proof.files import manifest_sha256
 from converter.read.checkpoint import INDEX_NAME, VERIFICATION_NAME
@@ -210,8 +211,9 @@ def verification_doc(*, passed: bool = True) -> dict[str, Any]:
 
 
 def convert_pair(sources: Path, out: Path, *, layout: str = "pad-global", verification: dict | None = None) -> Path:
-    execute(plan_conversion(ConvertRequest(out=out, layout=layout, target=sources / "target",
-                                           assistant=sources / "assistant")))
+    execute(plan_conversion(ConvertRequest(out=out, layout=layout,
+                                           sources={Role.TARGET: sources / "target",
+                                                    Role.ASSISTANT: sources / "assistant"})))
     if verification is not None:  # bound to the manifests it proves, as verify binds it
         verification = {**verification, "manifests": {role: manifest_sha256(out / role)
                                                       for role in ("target", "assistant")}}

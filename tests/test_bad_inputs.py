@@ -31,7 +31,7 @@ from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.read.checkpoint import INDEX_NAME
 from matrix.synthetic import (fp8_quantization_config, modelopt_nvfp4_config, scaled_preset, tiny_preset,
                                          write_checkpoint)
-from converter.gemma4 import text_config_of
+from converter.gemma4 import Role, text_config_of
 
 EXIT_VERIFY, EXIT_USAGE, EXIT_INPUT, EXIT_OUTPUT = 1, 2, 3, 4
 SHARD1, SHARD2 = TARGET_SHARDS
@@ -162,7 +162,7 @@ def _symlink_loop(name: str) -> Callable[[Pair], list[str]]:
 
 def _reconvert(p: Pair) -> list[str]:
     previous = p.root / "src" / "converted"
-    execute(plan_conversion(ConvertRequest(out=previous, layout="per-layer", single=p.target)))
+    execute(plan_conversion(ConvertRequest(out=previous, layout="per-layer", sources={Role.SINGLE: p.target})))
     return ["convert", str(previous), "--out", str(p.out), "--layout", "pad-global"]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _checkpoints import load_tensors, read_config, text_config
-from converter.gemma4 import ALLOW_GLOBAL_ACCESS, DUAL_KEYS, GEOMETRY_KEYS, GLOBAL_ALIASES
+from converter.gemma4 import ALLOW_GLOBAL_ACCESS, DUAL_KEYS, GEOMETRY_KEYS, GLOBAL_ALIASES, Role
 
 PRESET_CASES = [("31b", {"num_shards": 2}), ("26b-a4b", {"multimodal": False}), ("e2b", {"multimodal": False}),
                 ("e4b", {"multimodal": False, "num_shards": 3})]
@@ -209,7 +209,8 @@ def test_untouched_tensors_are_never_decoded(pair, tmp_path, monkeypatch):
     monkeypatch.setattr(transforms, "render_transform", lambda tensor, raw, out=None, companions=(): calls.append(tensor.name)
                         or original(tensor, raw, out, companions))
     plan = pipeline.plan_conversion(pipeline.ConvertRequest(out=tmp_path / "o", layout="pad-global",
-                                                            target=pair / "target", assistant=pair / "assistant"))
+                                                            sources={Role.TARGET: pair / "target",
+                                                                     Role.ASSISTANT: pair / "assistant"}))
     pipeline.execute(plan)
     transformed = sorted(t.name for item in plan.items for t in item.plan.tensors if not t.is_copy)
     assert sorted(calls) == transformed and 0 < len(calls) < sum(len(i.plan.tensors) for i in plan.items) / 3

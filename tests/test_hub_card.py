@@ -16,6 +16,7 @@ from converter.advice.ledger import NOT_RUN, load_ledger
 from converter.advice.ledger import version_key
 from converter.hub.card import render_card
 from converter.pairing import serve_line
+from converter.gemma4 import Role
 from converter.pipeline import ConvertRequest, plan_conversion, serve_command
 from converter.read.checkpoint import MANIFEST_NAME
 
@@ -85,8 +86,9 @@ def test_card_for_an_assistant_without_verification_or_base_model(converted):
 def test_card_serve_line_matches_the_convert_verb(sources, tmp_path):
     for layout in ("per-layer", "pad-global"):
         out = tmp_path / layout
-        plan = plan_conversion(ConvertRequest(out=out, layout=layout, target=sources / "target",
-                                              assistant=sources / "assistant"))
+        plan = plan_conversion(ConvertRequest(out=out, layout=layout,
+                                              sources={Role.TARGET: sources / "target",
+                                                       Role.ASSISTANT: sources / "assistant"}))
         assert serve_command(plan) == serve_line(target=str(out / "target"), assistant=str(out / "assistant"),
                                                  layout=layout)
 

@@ -16,6 +16,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from converter.gemma4 import Role
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from matrix.cases import build_loader_case
 from matrix.synthetic import fp8_quantization_config, tiny_preset, write_pair
@@ -70,8 +71,9 @@ SOURCES = {
 @pytest.mark.parametrize("name", SOURCES)
 def test_parameters_added_are_counted_in_weights_for_every_dtype(name, tmp_path):
     SOURCES[name](tmp_path / "src")
-    plan = plan_conversion(ConvertRequest(out=tmp_path / "out", layout="pad-global", target=tmp_path / "src" / "target",
-                                          assistant=tmp_path / "src" / "assistant"))
+    plan = plan_conversion(ConvertRequest(out=tmp_path / "out", layout="pad-global",
+                                          sources={Role.TARGET: tmp_path / "src" / "target",
+                                                   Role.ASSISTANT: tmp_path / "src" / "assistant"}))
     execute(plan)
     for item in plan.items:
         added = weights_in(tmp_path / "out" / item.subdir) - weights_in(tmp_path / "src" / item.subdir)

@@ -19,7 +19,7 @@ from converter.proof.digest import tensor_digests
 from converter.read.checkpoint import MANIFEST_NAME, read_checkpoint
 from matrix.resave import resave_config
 from matrix.synthetic import tiny_preset, write_pair
-from converter.gemma4 import text_config_of
+from converter.gemma4 import Role, text_config_of
 
 GEOMETRY = ("head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads", "attention_k_eq_v",
             "layer_types", "allow_global_per_layer_attribute_access", "attribute_map")
@@ -31,8 +31,9 @@ def outputs(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("resaved")
     write_pair(root / "src", preset=tiny_preset("31b"), num_shards=2)
     out = root / "per-layer"
-    execute(plan_conversion(ConvertRequest(out=out, layout="per-layer", target=root / "src" / "target",
-                                           assistant=root / "src" / "assistant")))
+    execute(plan_conversion(ConvertRequest(out=out, layout="per-layer",
+                                           sources={Role.TARGET: root / "src" / "target",
+                                                    Role.ASSISTANT: root / "src" / "assistant"})))
     resaved = root / "resaved"
     shutil.copytree(out, resaved)
     config = resave_config(json.loads((out / "target" / "config.json").read_text()))

@@ -23,6 +23,7 @@ AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 @pytest.fixture(scope="module")
 def forms(tmp_path_factory) -> dict[str, Path]:
     """form name -> target checkpoint: sources in each dialect and this tool's outputs of each layout."""
+    from converter.gemma4 import Role
     from converter.pipeline import ConvertRequest, execute, plan_conversion
     from matrix.synthetic import tiny_preset, write_checkpoint, write_pair
 
@@ -36,8 +37,8 @@ def forms(tmp_path_factory) -> dict[str, Path]:
     for name, layout, options in (("per-layer", "per-layer", {}), ("flat-keys-only", "per-layer", {"keys": "flat"}),
                                   ("pad-global", "pad-global", {})):
         execute(plan_conversion(ConvertRequest(out=root / name, layout=layout, layout_options=options,
-                                               target=root / "legacy" / "target",
-                                               assistant=root / "legacy" / "assistant")))
+                                               sources={Role.TARGET: root / "legacy" / "target",
+                                                        Role.ASSISTANT: root / "legacy" / "assistant"})))
         found[name] = root / name / "target"
     return found
 

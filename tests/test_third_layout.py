@@ -12,7 +12,7 @@ import json
 import pytest
 
 from converter.advice.tables import variants
-from converter.gemma4 import DIALECT_LEGACY, FORM_FLAT
+from converter.gemma4 import DIALECT_LEGACY, FORM_FLAT, Role
 from converter.layouts import base, get_layout, layout_names
 from converter.layouts.base import Layout, explicit_geometry, kept, register_layout
 from converter.pipeline import ConvertRequest, plan_conversion
@@ -55,7 +55,8 @@ def test_a_layout_defined_in_one_place_goes_through_every_verb(mirror, pair, tmp
     target, assistant = pair / "target", pair / "assistant"
     out = tmp_path / "out"
 
-    plan = plan_conversion(ConvertRequest(out=out, layout=NAME, target=target, assistant=assistant))
+    plan = plan_conversion(ConvertRequest(out=out, layout=NAME,
+                                          sources={Role.TARGET: target, Role.ASSISTANT: assistant}))
     assert plan.layout.name == NAME and all(t.is_copy for item in plan.items for t in item.plan.tensors)
 
     converted = run_cli("convert", "--target", target, "--assistant", assistant, "--out", out, "--layout", NAME)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from converter.advice.serving import AMBIGUOUS
-from converter.gemma4 import read_spec
+from converter.gemma4 import Role, read_spec
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from matrix.synthetic import tiny_preset, write_pair
 
@@ -58,8 +58,8 @@ def transformers_pythons() -> dict[str, VllmEnv]:
 
 
 def _convert(source: Path, out: Path, **options: str) -> Path:
-    request = ConvertRequest(out=out, layout="per-layer", layout_options=options, target=source / "target",
-                             assistant=source / "assistant")
+    request = ConvertRequest(out=out, layout="per-layer", layout_options=options,
+                             sources={Role.TARGET: source / "target", Role.ASSISTANT: source / "assistant"})
     execute(plan_conversion(request))
     return out
 

@@ -12,12 +12,14 @@ from safetensors.torch import load_file, save_file
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """A tiny 31B pair converted both ways (module-scoped: tests copy before corrupting)."""
+    from converter.gemma4 import Role
     from converter.pipeline import ConvertRequest, execute, plan_conversion
     from matrix.synthetic import tiny_preset, write_pair
     root = tmp_path_factory.mktemp("verify")
     target, assistant = write_pair(root / "src", preset=tiny_preset("31b"), num_shards=2)
     for layout in ("pad-global", "per-layer"):
-        execute(plan_conversion(ConvertRequest(out=root / layout, layout=layout, target=target, assistant=assistant)))
+        execute(plan_conversion(ConvertRequest(out=root / layout, layout=layout,
+                                               sources={Role.TARGET: target, Role.ASSISTANT: assistant})))
     return root
 
 

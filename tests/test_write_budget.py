@@ -7,6 +7,8 @@ import threading
 
 import pytest
 
+from converter.gemma4 import Role
+
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.read.sequential import BLOCK_BYTES
 from converter.write import budget
@@ -27,8 +29,8 @@ def test_a_conversion_runs_within_its_thread_budget(pair, tmp_path):
     """Sampled at every progress report, from the writers' own threads: never more threads than the budget's, beside
     the main thread and the one importing torch in the background."""
     seen: list[int] = []
-    plan = plan_conversion(ConvertRequest(out=tmp_path / "out", layout="pad-global", target=pair / "target",
-                                          assistant=pair / "assistant"))
+    plan = plan_conversion(ConvertRequest(out=tmp_path / "out", layout="pad-global",
+                                          sources={Role.TARGET: pair / "target", Role.ASSISTANT: pair / "assistant"}))
     before = threading.active_count()
     execute(plan, on_bytes=lambda n: seen.append(threading.active_count() - before))
     assert seen and max(seen) <= budget.budget().threads + 1, (max(seen), budget.budget())

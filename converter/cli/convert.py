@@ -13,7 +13,7 @@ from ..cost import human_bytes
 from ..errors import UsageError
 from ..gemma4 import PER_LAYER_TRANSFORMERS, Role
 from ..layouts.base import layout_offering
-from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertJob, ConvertResult, PreparedConversion, convert,
+from ..pipeline import (MADE_WRITTEN, ConversionPlan, ConvertRequest, ConvertResult, PreparedConversion, convert,
                         serve_command)
 from ..plan import parse_size
 from ..write.placement import LINK_MEANING, LINK_MODES
@@ -92,11 +92,11 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
         raise UsageError("give --assistant or --target-only, not both")
     sources = {role: text for role, text in ((Role.SINGLE, src), (Role.TARGET, target), (Role.ASSISTANT, assistant))
                if text}
-    job = ConvertJob(out=out, sources=sources, layout=flat_layout if flat_keys_only and layout is None else layout,
-                     layout_options=dict([FLAT_KEYS_ONLY]) if flat_keys_only else {},
-                     serving=serving_env(serving_python, serving_spec), target_only=target_only, force=force,
-                     max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp, dry_run=dry_run,
-                     any_name=any_name, dequantize_assistant=dequantize_assistant)
+    request = ConvertRequest(
+        out=out, sources=sources, layout=flat_layout if flat_keys_only and layout is None else layout,
+        layout_options=dict([FLAT_KEYS_ONLY]) if flat_keys_only else {},
+        serving=serving_env(serving_python, serving_spec), target_only=target_only, force=force, max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp,
+        dry_run=dry_run, any_name=any_name, dequantize_assistant=dequantize_assistant)
     with ExitStack() as stack:
         progress: list[Any] = []
 
@@ -109,7 +109,7 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
                     total=ready.plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
                     disable=None, leave=False)))
 
-        ready, result = convert(job, api=hub_api_for(ctx, sources.values()), on_prepared=prepared,
+        ready, result = convert(request, api=hub_api_for(ctx, sources.values()), on_prepared=prepared,
                                 on_bytes=lambda n: progress[0].update(n))
     if any(source.hub_unreachable for source in ready.sources):
         say_offline_once()
@@ -135,7 +135,7 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
 
 def _serve_heading(ready: PreparedConversion) -> str:
     """"serve it with stock vLLM X:" only where the ledger has rows of X; a prediction says so and how to check."""
-    decision, serving = ready.decision, ready.job.serving
+    decision, serving = ready.decision, ready.request.serving
     if serving is None:
         return "serve it with stock vLLM:"
     if decision is not None and decision.tested and decision.basis == MEASURED:
@@ -146,7 +146,7 @@ def _serve_heading(ready: PreparedConversion) -> str:
 
 def _print_serves_as_it_is(ready: PreparedConversion) -> None:
     """No work for nothing: the verdict, and the serve line for the sources themselves."""
-    decision, serving = ready.decision, ready.job.serving
+    decision, serving = ready.decision, ready.request.serving
     basis = "measured" if decision.basis == MEASURED else "predicted from the rules, not measured"
     click.echo(f"{serving.introduced()}: the source serves as it is ({basis}); nothing to convert, nothing written "
                "(--layout LAYOUT converts anyway)")
@@ -172,22 +172,22 @@ def _print_prepared(ready: PreparedConversion) -> None:
         repo_id, target = ready.paired_assistant
         click.echo(f"assistant: {repo_id} (published beside {target}; --assistant names another, --target-only "
                    "converts the target alone)")
-    decision, job = ready.decision, ready.job
+    decision, request = ready.decision, ready.request
     if decision is not None:
-        if job.layout is None:
-            found = f" [{job.serving.introduced()}; --serving names another]" if job.serving and \
-                job.serving.beside_tool else ""
+        if request.layout is None:
+            found = f" [{request.serving.introduced()}; --serving names another]" if request.serving and \
+                request.serving.beside_tool else ""
             click.echo(f"chosen: --layout {decision.writes_why}{found}")
-        elif job.serving is not None and decision.writes != job.layout:
+        elif request.serving is not None and decision.writes != request.layout:
             chooses = "the ledger chooses " if decision.tested and decision.basis == MEASURED else ""  # else it says
-            click.echo(f"note: for {job.serving.label()} {chooses}{decision.writes_why}")  # "predicted" itself
+            click.echo(f"note: for {request.serving.label()} {chooses}{decision.writes_why}")  # "predicted" itself
         if decision.serves_as_is:
             click.echo(f"note: {decision.serves_as_is}; converting anyway")
-    _print_plan(ready.plan, dry_run=job.dry_run, names=ready.names)
+    _print_plan(ready.plan, dry_run=request.dry_run, names=ready.names)
     for note in ready.notes:
         click.echo(f"note: {note}")
-    if job.link in LINK_MEANING:
-        click.echo(f"NOTE: --link {job.link}: {LINK_MEANING[job.link]}", err=True)
+    if request.link in LINK_MEANING:
+        click.echo(f"NOTE: --link {request.link}: {LINK_MEANING[request.link]}", err=True)
 
 
 def _made_summary(result: ConvertResult) -> str:
