@@ -71,6 +71,17 @@ class Transform(str, Enum):
 
 
 @dataclass(frozen=True)
+class CachePlacement:
+    """How the K or V cache of a target a layout wrote holds the original's states: transforms over the cache's head
+    rows ([heads * head_dim, ...], laid out as the projection's rows), in order; then, for keys, the per-head-dim
+    weight k_norm became (the transform of a weight of ones), which scales every head's rows. verify places
+    synthetic K/V by it for an assistant checked without its target (proof/numerics.py)."""
+
+    rows: tuple[tuple[Transform, Mapping[str, int]], ...] = ()
+    norm: tuple[Transform, Mapping[str, int]] | None = None
+
+
+@dataclass(frozen=True)
 class TensorPlan:
     """One output tensor: its name, dtype, shape and how it is produced from one source slice (and, for a transform
     that needs them, the whole companion tensors it reads beside it, in the order the transform takes them)."""

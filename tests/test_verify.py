@@ -153,3 +153,31 @@ def test_tp_checks_the_pair_at_the_sizes_served(converted, tmp_path, run_cli):
     problems = json.loads((tmp_path / "r.json").read_text())["structural"]["problems"]
     assert any("--tensor-parallel-size 3 does not divide the 32 attention heads" in p for p in problems), problems
     assert "tensor-parallel-size 3" in result.err
+
+
+@pytest.mark.parametrize("layout", ["pad-global", "per-layer"])
+def test_the_layouts_cache_placement_is_where_the_converted_target_caches(converted, layout):
+    """Layout.cache_placement (what an assistant verified alone is fed) puts the original target's K and V exactly
+    where the converted target's own weights cache them, for every layer type."""
+    from converter.layouts.base import layout_from_manifest
+    from converter.proof.numerics import _as_converted, _placement, check_target_layers
+    from converter.proof.reference import text_spec_from_config
+    from converter.gemma4 import text_config_of
+    from converter.read.checkpoint import read_checkpoint
+    source, output = read_checkpoint(converted / "src" / "target"), read_checkpoint(converted / layout / "target")
+    _, kv_runs = check_target_layers(source, output, device=torch.device("cpu"), check="fp32", seed=0, seq_len=16,
+                                     factor=4.0, on_layer=lambda name: None)
+    placed_layout = layout_from_manifest(output.manifest)
+    before = text_spec_from_config(text_config_of(source.config)).layers
+    after = text_spec_from_config(text_config_of(output.config)).layers
+    checked = 0
+    for layer_type, (key, value) in kv_runs["truth"].items():
+        b = next(layer for layer in before if layer.layer_type == layer_type)
+        a = next(layer for layer in after if layer.layer_type == layer_type)
+        for states, cached, is_key in ((key, kv_runs["converted"][layer_type][0], True),
+                                       (value, kv_runs["converted"][layer_type][1], False)):
+            placed = _as_converted(states, _placement(placed_layout, b, a, key=is_key), head_dim=a.head_dim)
+            assert placed.shape == cached.shape, (layer_type, is_key)
+            torch.testing.assert_close(placed.to(cached.dtype), cached, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked == 4  # K and V of the sliding and the full layer type

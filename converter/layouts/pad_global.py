@@ -27,7 +27,7 @@ from typing import Any
 from ..cost import homogeneous
 from ..errors import InputError
 from ..gemma4 import DIALECT_LEGACY, FORM_HOMOGENEOUS, KV_UNIFORM, AttentionConfig, LayerGeometry, ModelSpec
-from ..plan import TensorPlan, Transform
+from ..plan import CachePlacement, TensorPlan, Transform
 from ..quantization import WeightScheme, weight_scheme
 from ..validate.attention import AttentionTensor
 from .base import Layout, explicit_geometry, kept, register_layout, transformed
@@ -184,6 +184,22 @@ class PadGlobalLayout(Layout):
             return transformed(tensor, out_name, action="padded-columns", transform=Transform.REPEAT_COLUMNS,
                                shape=(shape[0], shape[1] * ratio), repeats=ratio)
         return kept(tensor, out_name)  # channel scales: the zero codes are exact under any scale
+
+    def cache_placement(self, *, num_kv_heads: int, head_dim: int, output_kv_heads: int, output_head_dim: int,
+                        key: bool) -> CachePlacement:
+        # as plan_attention moves k_proj / v_proj rows: each head's rows padded (duplicated into the copy slots),
+        # then whole heads replicated; k_norm's zero weights at the copy slots zero the cached key copies
+        rows: list[tuple[Transform, dict[str, int]]] = []
+        norm = None
+        if output_head_dim != head_dim:
+            rows.append((Transform.PAD_HEAD_ROWS, dict(num_heads=num_kv_heads, head_dim=head_dim,
+                                                       target_head_dim=output_head_dim)))
+            if key:
+                norm = (Transform.PAD_HEAD_NORM, dict(head_dim=head_dim, target_head_dim=output_head_dim))
+        if output_kv_heads != num_kv_heads:
+            rows.append((Transform.REPLICATE_KV_HEADS, dict(num_heads=num_kv_heads, head_dim=output_head_dim,
+                                                            repeats=output_kv_heads // num_kv_heads)))
+        return CachePlacement(rows=tuple(rows), norm=norm)
 
     def geometry_keys(self, attention: AttentionConfig) -> dict[str, Any]:
         # num_global_key_value_heads stays written: transformers 5.14.1 fails on None (docs/DESIGN.md section 4)

@@ -20,7 +20,9 @@ from ..plan import SourceSlice
 from ..read.checkpoint import Checkpoint
 from ..read.safetensors_header import TensorRef
 from ..read.tensor_reader import read_range
-from ..transforms import decode, expand_scale, pad_head_rows, replicate_kv_heads, torch_dtype, unpack_signed_codes
+from ..layouts.base import Layout, layout_from_manifest
+from ..plan import CachePlacement
+from ..transforms import apply_transform, decode, expand_scale, torch_dtype, unpack_signed_codes
 from .checks import LayerCheck
 from .reference import (AttentionOutput, LayerSpec, assistant_forward, assistant_spec_from_config, attention_block,
                         compare_outputs, rms_norm, text_spec_from_config)
@@ -226,8 +228,9 @@ def check_target_layers(source: Checkpoint, output: Checkpoint, *, device: torch
 def synthetic_target_kv(source: Checkpoint, output: Checkpoint, *, device: torch.device, check: str, seed: int,
                         seq_len: int) -> dict[str, KvByType]:
     """K/V for an assistant verified without its target: random in the original geometry, and the same values
-    placed the way a pad-global target would cache them (primary slots, zero copies for K; duplicates for V)."""
+    placed where a target converted by the output's layout caches them (Layout.cache_placement)."""
     dtypes = run_dtypes(check)
+    layout = layout_from_manifest(output.manifest or {})
     before = assistant_spec_from_config(source.config).text.layers
     after = assistant_spec_from_config(output.config).text.layers
     kv_runs: dict[str, KvByType] = {"truth": {}, "floor": {}, "converted": {}}
@@ -238,27 +241,31 @@ def synthetic_target_kv(source: Checkpoint, output: Checkpoint, *, device: torch
         shape = (BATCH, b.num_kv_heads, seq_len, b.head_dim)
         key = rms_norm(torch.randn(shape, generator=generator), None, eps=b.eps).to(device)
         value = rms_norm(torch.randn(shape, generator=generator), None, eps=b.eps).to(device)
-        converted = (_as_converted(key, b, a, zero_copies=True), _as_converted(value, b, a, zero_copies=False))
+        converted = (_as_converted(key, _placement(layout, b, a, key=True), head_dim=a.head_dim),
+                     _as_converted(value, _placement(layout, b, a, key=False), head_dim=a.head_dim))
         for run in RUNS:
             states = converted if run == "converted" else (key, value)
             kv_runs[run][layer_type] = (states[0].to(dtypes[run]), states[1].to(dtypes[run]))
     return kv_runs
 
 
-def _as_converted(states: torch.Tensor, before: LayerSpec, after: LayerSpec, *, zero_copies: bool) -> torch.Tensor:
-    """[1, kv, L, d] cache states -> the cache a pad-global target holds, by the same transforms as the weights."""
+def _placement(layout: Layout, before: LayerSpec, after: LayerSpec, *, key: bool) -> CachePlacement:
+    return layout.cache_placement(num_kv_heads=before.num_kv_heads, head_dim=before.head_dim,
+                                  output_kv_heads=after.num_kv_heads, output_head_dim=after.head_dim, key=key)
+
+
+def _as_converted(states: torch.Tensor, placement: CachePlacement, *, head_dim: int) -> torch.Tensor:
+    """[B, kv, L, d] cache states -> [B, kv', L, head_dim], the cache the converted target holds, by the same
+    transforms as the weights."""
     batch, heads, length, dim = states.shape
     rows = states.permute(1, 3, 0, 2).reshape(heads * dim, batch * length)  # head dims as rows
-    if after.head_dim != dim:
-        rows = pad_head_rows(rows, num_heads=heads, head_dim=dim, target_head_dim=after.head_dim)
-        if zero_copies:  # k_norm's zero weights at the copy slots
-            ratio = after.head_dim // dim
-            mask = (torch.arange(after.head_dim, device=rows.device) % ratio == 0).repeat(heads)
-            rows = rows * mask[:, None].to(rows.dtype)
-        dim = after.head_dim
-    if after.num_kv_heads != heads:
-        rows = replicate_kv_heads(rows, num_heads=heads, head_dim=dim, repeats=after.num_kv_heads // heads)
-        heads = after.num_kv_heads
+    for transform, params in placement.rows:
+        rows = apply_transform(transform, rows, dict(params))
+    dim, heads = head_dim, rows.shape[0] // head_dim
+    if placement.norm is not None:
+        transform, params = placement.norm
+        weight = apply_transform(transform, torch.ones(params["head_dim"], dtype=rows.dtype), dict(params))
+        rows = (rows.view(heads, dim, -1) * weight[None, :, None].to(rows.device)).view(heads * dim, -1)
     return rows.reshape(heads, dim, batch, length).permute(2, 0, 3, 1).contiguous()
 
 
