@@ -1,6 +1,6 @@
 """What a Gemma 4 config.json means: role, dialect and per-layer attention geometry (pure, no I/O).
 
-Geometry follows stock vLLM 0.27.0 (docs/DESIGN.md section 3): a full-attention layer uses
+Geometry follows stock vLLM 0.27.0 (docs/DESIGN.md "What stock vLLM 0.27.0 does"): a full-attention layer uses
 `global_head_dim`, and `num_global_key_value_heads` KV heads when `attention_k_eq_v`; a sliding layer
 uses `head_dim` and `num_key_value_heads`. The transformers >= PER_LAYER_TRANSFORMERS dialect carries the full-layer
 values in `per_layer_config` instead; when both are present transformers ignores the flat keys
@@ -21,8 +21,7 @@ from .quantization import check_quantization_config, modelopt_from_hf_quant_conf
 # of the gemma4 wrapper whose language model is the same Gemma4ForCausalLM (models/gemma4_unified.py), so its
 # attention reads the same flat keys; transformers keeps the same heterogeneous geometry (global_head_dim popped into
 # per_layer_config by configuration_gemma4_unified.py >= PER_LAYER_TRANSFORMERS). Its assistant becomes gemma4_mtp like
-# the others
-# (vLLM 0.27.0 config/speculative.py:588; docs/DESIGN.md section 3).
+# the others (docs/DESIGN.md "What stock vLLM 0.27.0 does").
 TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text", "gemma4_unified": "multimodal"}
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 FULL = "full_attention"
@@ -54,8 +53,8 @@ DIALECT_BOTH = "both"
 # What a config looks like to a vLLM release (advice/serving.config_form decides it; each layout names its output's).
 FORM_FUSED = "fused-qkv"  # self_attn.qkv_proj tensors: vLLM 0.27 maps split q/k/v only
 # The first transformers release that writes `per_layer_config` and rebuilds it from the flat keys on load
-# (docs/DESIGN.md
-# section 7): every "transformers<X" / ">=X" the tool says is built from it
+# (docs/DESIGN.md "Zero-cost serving with the dual-keys recipe"): every "transformers<X" / ">=X" the tool says is built
+# from it
 PER_LAYER_TRANSFORMERS = "5.15"
 FORM_PER_LAYER_CONFIG = "per-layer-config"  # config.json holds per_layer_config (transformers >= PER_LAYER_TRANSFORMERS dialect)
 FORM_HOMOGENEOUS = "homogeneous"  # one head size and KV-head count everywhere
@@ -68,14 +67,14 @@ GEOMETRY_KEYS = ("head_dim", "global_head_dim", "num_key_value_heads", "num_glob
                  "attention_k_eq_v", "layer_types")
 _PER_LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
 
-# The config-only zero-cost recipe ("dual keys", docs/DESIGN.md section 7; pinned per transformers version by
-# tests/test_transformers_pins.py). transformers >= PER_LAYER_TRANSFORMERS's Gemma4TextConfig.__post_init__ pops the
-# LITERAL names
-# `global_head_dim` / `num_global_key_value_heads` (it still builds its own per_layer_config from them, so its own
-# model keeps the right shapes); an `attribute_map` read from config.json becomes an instance attribute that shadows
-# the class one (empty for Gemma 4), and PreTrainedConfig.__getattribute__ resolves names through it, so vLLM's
-# `getattr(config, "global_head_dim", ...)` finds the aliases; `allow_global_per_layer_attribute_access` lets vLLM
-# read the flat (sliding) `head_dim` / `num_key_value_heads` of a heterogeneous config instead of raising.
+# The config-only zero-cost recipe ("dual keys", docs/DESIGN.md "Zero-cost serving with the dual-keys recipe"; pinned
+# per transformers version by tests/test_transformers_pins.py). transformers >= PER_LAYER_TRANSFORMERS's
+# Gemma4TextConfig.__post_init__ pops the LITERAL names `global_head_dim` / `num_global_key_value_heads` (it still
+# builds its own per_layer_config from them, so its own model keeps the right shapes); an `attribute_map` read from
+# config.json becomes an instance attribute that shadows the class one (empty for Gemma 4), and
+# PreTrainedConfig.__getattribute__ resolves names through it, so vLLM's `getattr(config, "global_head_dim", ...)` finds
+# the aliases; `allow_global_per_layer_attribute_access` lets vLLM read the flat (sliding) `head_dim` /
+# `num_key_value_heads` of a heterogeneous config instead of raising.
 ALLOW_GLOBAL_ACCESS = "allow_global_per_layer_attribute_access"
 GLOBAL_ALIASES = {"global_head_dim": "gemma4_global_head_dim",
                   "num_global_key_value_heads": "gemma4_num_global_key_value_heads"}
@@ -113,7 +112,8 @@ class LayerGeometry:
 # The attention geometry of each Gemma 4 size Google publishes (AttentionConfig.kv_geometry), by the name the ledger's
 # rows give their source form (its first word, e.g. "12b, per_layer_config config, multimodal, ..."): the sliding
 # KV heads, the full layers' KV heads (k_eq_v: num_global_key_value_heads) and the ratio of their head sizes
-# (global_head_dim 512 over head_dim 256). docs/DESIGN.md section 17.
+# (global_head_dim 512 over head_dim 256). docs/DESIGN.md
+# "Which rows speak for a checkpoint, and the forms Google ships beyond the first three".
 RELEASED_KV_GEOMETRY: dict[str, tuple[int, int, int]] = {
     "31b": (16, 4, 2), "26b-a4b": (8, 2, 2), "12b": (8, 1, 2), "e4b": (2, 2, 2), "e2b": (1, 1, 2)}
 

@@ -1,10 +1,10 @@
 """What one tensor-parallel rank of vLLM holds of each attention layer (pure arithmetic on the geometry).
 
-vLLM 0.27.0's rules (docs/DESIGN.md section 12): every rank gets num_heads / tp query heads (it asserts the division);
-KV heads are split when there are at least as many as ranks (tp must divide them) and replicated otherwise, each
-rank holding one KV head shared by tp / num_kv_heads ranks (tp must be a multiple of num_kv_heads; rank r loads
-KV head r // replicas). The MTP draft's layers follow the same formulas from the ASSISTANT's config, and nothing in
-vLLM checks that they equal the target layer's whose cache the draft reads.
+vLLM 0.27.0's rules (docs/DESIGN.md "Tensor parallelism in vLLM 0.27.0"): every rank gets num_heads / tp query heads (it
+asserts the division); KV heads are split when there are at least as many as ranks (tp must divide them) and replicated
+otherwise, each rank holding one KV head shared by tp / num_kv_heads ranks (tp must be a multiple of num_kv_heads; rank
+r loads KV head r // replicas). The MTP draft's layers follow the same formulas from the ASSISTANT's config, and nothing
+in vLLM checks that they equal the target layer's whose cache the draft reads.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Anchors: compressed-tensors `quantization/lifecycle/apply.py` (ignore wins over 
 Model Optimizer (`quant_method: modelopt`, e.g. nvidia/Gemma-4-31B-IT-NVFP4) lists excluded modules as
 wildcards (`ignore` in config.json, `exclude_modules` in hf_quant_config.json); a module is excluded when a
 pattern fnmatches its name or is a substring of it, as vLLM 0.27's `ModelOptQuantConfigBase.is_layer_excluded`
-decides (vLLM 0.27.0 model_executor/layers/quantization/modelopt.py:140-176).
+decides (docs/DESIGN.md "Gemma 4 checkpoints in the wild").
 """
 
 from __future__ import annotations

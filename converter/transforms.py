@@ -4,9 +4,9 @@ Every function moves or zero-fills whole elements, working on a same-width integ
 tensor, so bf16, fp32 and fp8 values (and their bit patterns) are carried over exactly; packed integer codes
 (compressed-tensors pack-quantized) are unpacked, moved and repacked as integers.
 
-The pad-global placement ("interleaved per half", docs/DESIGN.md section 4): head dim i < d/2 goes to slot
-r*i and d/2+i goes to D/2 + r*i, with r = D/d. Default RoPE over D then pairs (p, p + D/2) exactly
-like the original pair (i, i + d/2), with the same frequency, so no rope config changes.
+The pad-global placement ("interleaved per half", docs/DESIGN.md "The pad-global transform: placement math"): head
+dim i < d/2 goes to slot r*i and d/2+i goes to D/2 + r*i, with r = D/d. Default RoPE over D then pairs (p, p + D/2)
+exactly like the original pair (i, i + d/2), with the same frequency, so no rope config changes.
 """
 
 from __future__ import annotations

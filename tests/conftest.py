@@ -70,7 +70,7 @@ def pair(synthetic_cache, tmp_path):
 
 @pytest.fixture
 def all_shared_kv_modes(monkeypatch):
-    """Lets transformers 5.23 build Gemma4AssistantForCausalLM (docs/DESIGN.md section 2).
+    """Lets transformers 5.23 build Gemma4AssistantForCausalLM (docs/DESIGN.md "Config dialects").
 
     `Gemma4TextConfig.kv_sharing_modes` looks for a producer layer of every type among the NON-shared layers and
     raises when there is none; in an assistant every layer is shared (its K/V come from the target), so the

@@ -107,7 +107,8 @@ def assistant_config(geo: Geometry, *, style: str, homogeneous: bool = False) ->
 
 
 def _homogeneous(kwargs: dict) -> dict:
-    """The geometry keys the converter writes for pad-global (docs/DESIGN.md section 4); RoPE is left alone."""
+    """The geometry keys the converter writes for pad-global (docs/DESIGN.md
+    "The pad-global transform: placement math"); RoPE is left alone."""
     return {**kwargs, "head_dim": kwargs["global_head_dim"],
             "num_global_key_value_heads": kwargs["num_key_value_heads"]}
 

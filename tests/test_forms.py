@@ -1,6 +1,7 @@
-"""The forms Google ships beyond the release matrix's three (issue 53; docs/DESIGN.md section 17): the 12B pair is
-answered by 12B rows only, a geometry no row has says so, QAT weights are told what pad-global does to their Q4_0
-grid, and a quantized assistant gets the ledger's measured refusal instead of a serve line.
+"""The forms Google ships beyond the release matrix's three (issue 53; docs/DESIGN.md
+"Which rows speak for a checkpoint, and the forms Google ships beyond the first three"): the 12B pair is answered by 12B
+rows only, a geometry no row has says so, QAT weights are told what pad-global does to their Q4_0 grid, and a quantized
+assistant gets the ledger's measured refusal instead of a serve line.
 
 Every pair is scripts/matrix/cases.py's, as the ledger's rows were measured on it.
 """

@@ -61,7 +61,8 @@ def test_attention_forms_are_named(synthetic_cache, run_cli):
 
 
 def test_text_output_and_costs_of_the_real_31b_geometry(tmp_path, run_cli):
-    """Headers only, so a full-width 31B target costs nothing to inspect; KV numbers match docs/DESIGN.md section 4."""
+    """Headers only, so a full-width 31B target costs nothing to inspect; KV numbers match
+    docs/DESIGN.md "The pad-global transform: placement math"."""
     from converter.read.safetensors_header import encode_header
     from matrix.synthetic import scaled_preset, target_config, target_tensors
     preset = scaled_preset("31b")  # 60 layers, real widths
@@ -87,7 +88,8 @@ def test_text_output_and_costs_of_the_real_31b_geometry(tmp_path, run_cli):
     assert costs[8192] == pytest.approx(2.89, abs=0.01) and costs[131072] == pytest.approx(3.86, abs=0.01)
     assert report["kv_cache_bytes_per_token"][0]["current"] == 880 * 1024
     assert report["kv_cache_bytes_per_token"][0]["per_layer"] == 880 * 1024
-    weights = report["weight_bytes"]  # docs/DESIGN.md section 4: pad-global adds 6.94 G parameters to the 31B target
+    weights = report["weight_bytes"]  # pad-global adds 6.94 G parameters to the 31B target:
+    # docs/DESIGN.md "The pad-global transform: placement math"
     assert weights["per_layer"] == weights["current"]
     assert (weights["pad_global"] - weights["current"]) / 2 == pytest.approx(6.94e9, rel=0.005)
     assert "after per-layer (+0 B), after pad-global" in result.out

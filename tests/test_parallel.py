@@ -1,8 +1,9 @@
 """Tensor parallelism: what each rank holds (converter/parallel.py), `inspect --tp`, `check-pair --tp`, `convert --tp`.
 
 The published head counts are written out here (31B: 32 heads, 16 sliding / 4 global KV heads, head_dim 256 / 512,
-k_eq_v; 26B-A4B: 16 heads, 8 / 2; E2B: 8 heads, 1 KV head of 256 / 512); the expected per-rank figures are vLLM
-0.27.0's rules (docs/DESIGN.md section 12) and the pad-global KV prices measured there with vLLM's own layers.
+k_eq_v; 26B-A4B: 16 heads, 8 / 2; E2B: 8 heads, 1 KV head of 256 / 512); the expected per-rank figures are vLLM 0.27.0's
+rules (docs/DESIGN.md "Tensor parallelism in vLLM 0.27.0") and the pad-global KV prices measured there with vLLM's own
+layers.
 """
 
 from __future__ import annotations

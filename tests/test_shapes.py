@@ -55,7 +55,7 @@ def test_factory_dialect_is_what_the_transformers_config_classes_write(name, tmp
 
 
 def test_full_size_31b_keys_are_zero_padded_and_the_vision_rope_is_axial():
-    """docs/DESIGN.md section 9, at the real 60 layers (config only, no tensors)."""
+    """docs/DESIGN.md "Gemma 4 checkpoints in the wild", at the real 60 layers (config only, no tensors)."""
     config = target_config(scaled_preset("31b"), dialect="per_layer_config", multimodal=True)
     assert list(text_config(config)["per_layer_config"]) == [f"{i:02d}" for i in range(5, 60, 6)]
     assert config["vision_config"]["rope_parameters"]["rope_type"] == "axial"

@@ -87,7 +87,7 @@ def test_moe_block_has_every_tensor_of_transformers_moe_modules():
 
 
 def test_full_size_31b_assistant_matches_the_published_checkpoint():
-    """docs/DESIGN.md section 1: 48 tensors, 939,037,192 bytes in bf16."""
+    """docs/DESIGN.md "Checkpoints": 48 tensors, 939,037,192 bytes in bf16."""
     specs = assistant_tensors(PRESETS["31b"])
     total = sum(2 * torch.Size(s.shape).numel() for s in specs)
     assert (len(specs), total) == (48, 939_037_192)

@@ -1,6 +1,7 @@
 """The undocumented transformers behaviour the zero-cost dual keys rest on, pinned per transformers version.
 
-converter/gemma4.py (DUAL_KEYS) relies on three things no transformers release promises (docs/DESIGN.md section 7):
+converter/gemma4.py (DUAL_KEYS) relies on three things no transformers release promises (docs/DESIGN.md
+"Zero-cost serving with the dual-keys recipe"):
 `Gemma4TextConfig.__post_init__` pops only the LITERAL `global_head_dim` / `num_global_key_value_heads` (and
 builds its own per_layer_config from them), an `attribute_map` from config.json becomes an instance attribute that
 shadows the (empty) class map, and `allow_global_per_layer_attribute_access` lets callers read the flat sliding

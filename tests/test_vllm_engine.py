@@ -177,7 +177,8 @@ def test_converted_pair_generates_like_the_original(engine_envs, engine_case, tm
     code, report, output = run_serve_check(envs, pair.reference, pairs, source.dtypes, tmp_path, serve)
     assert_acceptance_reported(report, pair)
     assert report.get("ref_env", "").endswith(f"tf-{LEGACY_TRANSFORMERS}"), output[-4000:]
-    # the comparison means something only when greedy output varies (docs/DESIGN.md section 6)
+    # the comparison means something only when greedy output varies
+    # (docs/DESIGN.md "The real vLLM 0.27.0 engine on a CPU-only machine")
     for tokens in report["runs"][report["ref_env"]]["ref-float32-a"]["tokens"]["batch"]:
         assert len(set(tokens)) > len(tokens) // 2, f"degenerate reference output {tokens}"
     assert_experts_ran(report, pair.reference / "target")

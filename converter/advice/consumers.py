@@ -57,7 +57,7 @@ def _vllm(target: str, assistant: str, layout: str) -> str:
 
 def _transformers(target: str, assistant: str, layout: str) -> str:
     # num_assistant_tokens: transformers' assisted generation reads it from the assistant's generation config and
-    # fails on None (docs/DESIGN.md section 13)
+    # fails on None (docs/DESIGN.md "Other consumers of a Gemma 4 pair")
     return (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n'
             f'target = AutoModelForCausalLM.from_pretrained("{target}")\n'
             f'assistant = AutoModelForCausalLM.from_pretrained("{assistant}")\n'

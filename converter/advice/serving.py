@@ -1,8 +1,9 @@
 """Which vLLM + transformers serve a Gemma 4 config as it is, and which layout to convert to where they do not.
 
 Pure, except `read_serving_env`, which asks the user's serving python for its vLLM and transformers versions.
-The outcomes are the ones the loader matrix measures (tests/test_vllm_loader.py asserts `predict` against the real
-stock loader for every row it runs; docs/VLLM_CHECK.md): docs/DESIGN.md sections 3, 7 and 8.
+The outcomes are the ones the loader matrix measures (tests/test_vllm_loader.py asserts `predict` against the real stock
+loader for every row it runs; docs/VLLM_CHECK.md): docs/DESIGN.md "What stock vLLM 0.27.0 does",
+"Zero-cost serving with the dual-keys recipe" and "Which vLLM releases have this problem".
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
 TRANSFORMERS_PER_LAYER = version_key(PER_LAYER_TRANSFORMERS)  # as a comparable tuple
 VLLM_READS_PER_LAYER = (0, 28)  # first vLLM that reads per-layer configs itself (PR #49797)
-VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (docs/DESIGN.md section 8)
+VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (docs/DESIGN.md "Which vLLM releases have this problem")
 VLLM_DRAFT_KV_HEADS = (0, 23)  # first vLLM whose draft builds full layers with the global KV-head count
 KV_SHARING = "kv_sharing"  # the draft's KV geometry differs from the target layer whose cache it reads
 
@@ -136,10 +137,11 @@ def config_form(spec: ModelSpec, *, fused: bool) -> str:
 
 
 def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verdict:
-    """The rules (docs/DESIGN.md sections 3, 7, 8, 10): what stock vLLM `env.vllm` with transformers `env.transformers`
-    is expected to do with a config of this form. The loader matrix checks every ledger row against them (its
-    `expected` column); `inspect` answers from what was measured (`measured`), and quotes these only as the
-    expectation where nothing was.
+    """The rules (docs/DESIGN.md "What stock vLLM 0.27.0 does", "Zero-cost serving with the dual-keys recipe",
+    "Which vLLM releases have this problem", "vLLM 0.21-0.33 with synthetic 31B-geometry pairs"): what stock vLLM
+    `env.vllm` with transformers `env.transformers` is expected to do with a config of this form. The loader matrix
+    checks every ledger row against them (its `expected` column); `inspect` answers from what was measured (`measured`),
+    and quotes these only as the expectation where nothing was.
 
     mixed_kv_heads: the KV-head count differs between layer types (31B, 26B-A4B).
     """

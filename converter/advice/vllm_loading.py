@@ -1,22 +1,20 @@
 """What stock vLLM 0.27.0's weight loaders do with attention tensors that contradict the config (no I/O, no torch).
 
-Read in the vLLM 0.27.0 wheel (file:line below; docs/DESIGN.md section 3), tensor parallel size 1:
-- target q/k/v -> `QKVParallelLinear.weight_loader_v2` -> `load_qkv_weight` (model_executor/parameter.py:178-201):
-  the checkpoint tensor is narrowed to the slot's rows (`loaded_weight.narrow(0, 0, rows)`, :196), then
-  `assert param_data.shape == loaded_weight.shape` (:200). k_eq_v layers load k_proj into the V slot as well
-  (models/gemma4.py:1702-1711).
-- draft q_proj -> `ColumnParallelLinear` -> `load_column_parallel_weight` (parameter.py:148-154): the same, rows.
-- o_proj (both) -> `RowParallelLinear` -> `load_row_parallel_weight` (parameter.py:220-230): narrowed to the
-  parameter's input columns (:222), then the shape assert (:229).
-- q_norm / k_norm are plain RMSNorm parameters -> `default_weight_loader`
-  (model_executor/model_loader/weight_utils.py:1240): a size assert with a message.
+Read in the vLLM 0.27.0 wheel, tensor parallel size 1 (the file:line of each step, which the `where` of each
+TensorLoad below names, is in docs/DESIGN.md "What stock vLLM 0.27.0 does"):
+- target q/k/v -> `QKVParallelLinear.weight_loader_v2` -> `load_qkv_weight`: the checkpoint tensor is narrowed to
+  the slot's rows (`loaded_weight.narrow(0, 0, rows)`), then `assert param_data.shape == loaded_weight.shape`.
+  k_eq_v layers load k_proj into the V slot as well (the model's weight iterator yields it twice).
+- draft q_proj -> `ColumnParallelLinear` -> `load_column_parallel_weight`: the same, rows.
+- o_proj (both) -> `RowParallelLinear` -> `load_row_parallel_weight`: narrowed to the parameter's input columns,
+  then the shape assert.
+- q_norm / k_norm are plain RMSNorm parameters -> `default_weight_loader`: a size assert with a message.
 So a tensor with too many rows (columns for o_proj) is SILENTLY TRUNCATED, one with too few raises torch's narrow
 RuntimeError, any other size difference is a bare AssertionError.
-Missing tensors: every linear layer's quant method has `process_weights_after_loading`, so
-`track_weights_loading` (model_loader/default_loader.py:447-470) counts linear parameters as loaded either way: a
-missing q/k/v/o_proj is never reported and its parameter keeps `torch.empty` memory. Only a missing norm weight
-raises (ValueError at :467), and only for unquantized checkpoints (the check is off when `quantization_config` is
-set; the norm then keeps its initial ones).
+Missing tensors: every linear layer's quant method has `process_weights_after_loading`, so `track_weights_loading`
+counts linear parameters as loaded either way: a missing q/k/v/o_proj is never reported and its parameter keeps
+`torch.empty` memory. Only a missing norm weight raises (a ValueError), and only for unquantized checkpoints (the check
+is off when `quantization_config` is set; the norm then keeps its initial ones).
 """
 
 from __future__ import annotations
@@ -121,9 +119,9 @@ def predict_missing(problem: AttentionProblem, spec: ModelSpec) -> TensorLoad:
 
 
 def kv_shared_gaps(spec: ModelSpec, tensors: list[Any]) -> list[AttentionProblem]:
-    """Target KV-shared layers without k_proj/k_norm (and v_proj): fine for transformers, which ignores them, but
-    vLLM 0.27.0 builds QKVParallelLinear and k_norm on every target layer (models/gemma4.py:416, :435), so it
-    meets them as missing tensors. Published E2B/E4B targets carry them; Q-only ones do not load."""
+    """Target KV-shared layers without k_proj/k_norm (and v_proj): fine for transformers, which ignores them, but vLLM
+    0.27.0 builds QKVParallelLinear and k_norm on every target layer (docs/DESIGN.md "What stock vLLM 0.27.0 does"), so
+    it meets them as missing tensors. Published E2B/E4B targets carry them; Q-only ones do not load."""
     if spec.role != Role.TARGET:
         return []
     present: dict[int, set[str]] = {}
@@ -142,8 +140,8 @@ def kv_shared_gaps(spec: ModelSpec, tensors: list[Any]) -> list[AttentionProblem
 
 
 def _read_order(problem: AttentionProblem) -> tuple:
-    """vLLM reads files in natural order (weight_utils.py:857 `_natural_sort_key`), each file's tensors by name
-    (safe_open.keys() is sorted); missing tensors only matter after everything was read."""
+    """vLLM reads files in natural order (`_natural_sort_key`; docs/DESIGN.md "What stock vLLM 0.27.0 does"), each
+    file's tensors by name (safe_open.keys() is sorted); missing tensors only matter after everything was read."""
     if problem.tensor is None:
         return (1, [], "", problem.layer.index)
     ref = problem.tensor.source.ref

@@ -1,8 +1,8 @@
 """`pad-global`: every layer gets head_dim = global_head_dim and num_key_value_heads KV heads, exactly.
 
-Sliding layers grow d -> D with the interleaved-per-half duplicate placement; full k_eq_v layers
-replicate their global KV heads (docs/DESIGN.md section 4). The config becomes homogeneous, so no
-transformers version has a per-layer attribute to reject, and vLLM 0.27 builds every layer alike.
+Sliding layers grow d -> D with the interleaved-per-half duplicate placement; full k_eq_v layers replicate their global
+KV heads (docs/DESIGN.md "The pad-global transform: placement math"). The config becomes homogeneous, so no transformers
+version has a per-layer attribute to reject, and vLLM 0.27 builds every layer alike.
 
 Quantized weights stored one code per element (compressed-tensors fp8, and symmetric int8 `int-quantized`, W8A8)
 move with their per-row scales, so dequantized values are exactly the originals; o_proj's zero columns (code 0) are
@@ -50,7 +50,8 @@ class PadGlobalLayout(Layout):
         "mixing layouts computes garbage.")
     kv_note = "pad-global widens the sliding layers' cache"
     price_note = "costs KV cache and weights; convert target and assistant together"
-    # a GPU picks FA4 / TRITON_ATTN only where head sizes differ (docs/DESIGN.md section 4)
+    # a GPU picks FA4 / TRITON_ATTN only where head sizes differ
+    # (docs/DESIGN.md "The pad-global transform: placement math")
     serve_flags = " --attention-backend TRITON_ATTN"
     serve_note = ("`--attention-backend TRITON_ATTN` keeps the kernel path the original heterogeneous geometry gets "
                   "(vLLM picks FA4/TRITON_ATTN only when head sizes differ).")
@@ -202,7 +203,8 @@ class PadGlobalLayout(Layout):
         return CachePlacement(rows=tuple(rows), norm=norm)
 
     def geometry_keys(self, attention: AttentionConfig) -> dict[str, Any]:
-        # num_global_key_value_heads stays written: transformers 5.14.1 fails on None (docs/DESIGN.md section 4)
+        # num_global_key_value_heads stays written: transformers 5.14.1 fails on None
+        # (docs/DESIGN.md "The pad-global transform: placement math")
         return explicit_geometry(attention, head_dim=attention.global_head_dim,
                                  num_global_key_value_heads=attention.num_kv_heads)
 

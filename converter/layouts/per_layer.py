@@ -1,9 +1,10 @@
 """`per-layer`: the flat per-layer-type geometry keys stock vLLM reads (every release up to 0.27 only these); tensors unchanged (fused qkv split). Zero cost.
 
-Default (`keys: dual`): the flat keys plus the config-only "dual keys" (gemma4.py, docs/DESIGN.md section 7), so the
-output loads under transformers 5.14 AND >= PER_LAYER_TRANSFORMERS (which would otherwise rebuild per_layer_config and raise
-AmbiguousGlobalPerLayerAttributeError in vLLM 0.27). `keys: flat` (`convert --flat-keys-only`) writes the bare flat
-keys: serves with transformers < PER_LAYER_TRANSFORMERS only.
+Default (`keys: dual`): the flat keys plus the config-only "dual keys" (gemma4.py; docs/DESIGN.md
+"Zero-cost serving with the dual-keys recipe"), so the output loads under transformers 5.14 AND >=
+PER_LAYER_TRANSFORMERS (which would otherwise rebuild per_layer_config and raise AmbiguousGlobalPerLayerAttributeError
+in vLLM 0.27). `keys: flat` (`convert --flat-keys-only`) writes the bare flat keys: serves with transformers <
+PER_LAYER_TRANSFORMERS only.
 """
 
 from __future__ import annotations

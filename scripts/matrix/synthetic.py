@@ -10,9 +10,9 @@ own config classes and `save_pretrained` make of that file (scripts/matrix/resav
 under another interpreter's transformers (`saved_by`), never an imitation.
 
 Geometry sources: the 31B target and assistant numbers are from their published config.json
-(docs/DESIGN.md section 1). The 26B-A4B target's attention and MoE numbers are from docs/DESIGN.md sections 1 and 9;
-its MoE block is written with transformers' own names and shapes (fused `experts.gate_up_proj`
-[E, 2I, H], `experts.down_proj` [E, H, I], `router.proj`/`router.scale`/`router.per_expert_scale`
+(docs/DESIGN.md "Checkpoints"). The 26B-A4B target's attention and MoE numbers are from docs/DESIGN.md "Checkpoints"
+and "Gemma 4 checkpoints in the wild"; its MoE block is written with transformers' own names and shapes (fused
+`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I], `router.proj`/`router.scale`/`router.per_expert_scale`
 and the three extra layernorms). E2B/E4B and the 26B-A4B assistant's hidden/intermediate sizes are approximations of the
 public configs: attention ratios (head_dim 256/512, no k_eq_v, KV-shared tail layers, per-layer
 input embeddings, ordered-embedding assistants) are what matters to the converter.
@@ -183,7 +183,8 @@ def _vision_config(p: Preset) -> dict:
             "intermediate_size": 4 * p.vision_hidden_size, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 2, "head_dim": p.vision_hidden_size // 2, "patch_size": 16,
             "position_embedding_size": 10240, "pooling_kernel_size": 3, "rms_norm_eps": 1e-6,
-            # what Hub files written before transformers 5.15 say (5.15+ re-saves it as "axial", docs/DESIGN.md section 9)
+            # what Hub files written before transformers 5.15 say (5.15+ re-saves it as "axial",
+            # docs/DESIGN.md "Gemma 4 checkpoints in the wild")
             "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
             "hidden_activation": "gelu_pytorch_tanh", "dtype": "bfloat16"}
 
@@ -262,7 +263,8 @@ def in_dialect(documents: dict[str, dict], dialect: str, *, saved_by: str | None
     legacy without saved_by: the published files as they are. Otherwise the files go through transformers'
     `save_pretrained` (saved_by: the python whose transformers does it; default: this process): transformers
     >= 5.15 writes per_layer_config (zero-padded keys, flat global keys popped), 5.14.1 the legacy keys.
-    "both" then puts the flat keys back beside per_layer_config (the hand edit of docs/DESIGN.md section 7).
+    "both" then puts the flat keys back beside per_layer_config (the hand edit of docs/DESIGN.md
+    "Zero-cost serving with the dual-keys recipe").
 
     Raises:
         ValueError: unknown dialect, or the producer does not write the requested one (e.g. per_layer_config

@@ -218,7 +218,8 @@ def expected_target(names: set[str], config: dict[str, Any], *, multimodal_model
 
 
 # How vLLM releases spell the MoE parameters (0.27 spelling first, as _map_text_suffix writes it): 0.21 keeps the
-# experts directly under `moe.experts`, 0.31+ drop the `moe.` block prefix (docs/DESIGN.md section 10).
+# experts directly under `moe.experts`, 0.31+ drop the `moe.` block prefix
+# (docs/DESIGN.md "vLLM 0.21-0.33 with synthetic 31B-geometry pairs").
 _MOE_SPELLINGS = (
     (".moe.experts.routed_experts.w13_weight", ".moe.experts.w13_weight", ".experts.routed_experts.w13_weight",
      ".experts.w13_weight"),

@@ -61,8 +61,9 @@ TOP_LOGPROBS = 5
 # bf16 drafts are REPORTED, not judged. Random-weight assistants score their candidates almost flat, and the
 # draft reads the target's hidden states, so bf16 rounding differences between layouts flip draft tokens
 # while the target tokens stay identical: measured 40 of 80 draft tokens for pad-global (31B heads padded
-# 256->512; per-layer: 0 of 236), where docs/DESIGN.md section 6 had 4 of 202 on another geometry. No tolerance
-# measured on one run would be honest; drafts are judged exactly in fp32, where they must be identical.
+# 256->512; per-layer: 0 of 236), where docs/DESIGN.md "The real vLLM 0.27.0 engine on a CPU-only machine" had 4 of 202
+# on another geometry. No tolerance measured on one run would be honest; drafts are judged exactly in fp32, where they
+# must be identical.
 # The fp32 tolerance is NOISE_FACTOR x the largest difference measured between the original's own runs
 # (rerun, batched vs one at a time). That largest difference is the max over a few hundred logprobs of one
 # run pair; the converted pair's max over the same number is a draw from the same spread, and landed 2 %
@@ -290,7 +291,7 @@ def drafts_by_position(tokens: list[int], drafts: list[list[int]]) -> dict[int, 
 
     Step 0 follows the prefill (token 0); a step whose drafts d match tokens[p+1:] for `a` leading tokens
     moves the next step to p + 1 + a. Steps at or past the last token (vLLM may log one after the end,
-    docs/DESIGN.md section 6) are dropped: nothing verifies them.
+    docs/DESIGN.md "The real vLLM 0.27.0 engine on a CPU-only machine") are dropped: nothing verifies them.
     """
     out: dict[int, list[int]] = {}
     pos = 0
@@ -929,5 +930,6 @@ def report_prompt(report: dict, args: argparse.Namespace) -> list[int]:
     return make_prompts(int(cfg["vocab_size"]), int(cfg["sliding_window"]))[0]
 
 
-if __name__ == "__main__":  # required: the CPU engine spawns its processes (docs/DESIGN.md section 6)
+if __name__ == "__main__":  # required: the CPU engine spawns its processes
+    # (docs/DESIGN.md "The real vLLM 0.27.0 engine on a CPU-only machine")
     sys.exit(main())
