@@ -69,3 +69,42 @@ def test_a_missing_page_is_caught(tmp_path):
     cited_in = REPO / "converter" / "transforms.py"
     assert resolves("docs/DESIGN.md", cited_in) and resolves("CLI.md", REPO / "docs" / "HUB.md")
     assert not resolves("FACTS.md", cited_in) and not resolves("docs/STYLE.md", cited_in)
+
+
+# docs/DESIGN.md "The pad-global transform: placement math", or docs/CLI.md, "inspect SRC": a page and a heading
+HEADING_CITATION = re.compile(r"((?:[\w.-]+/)*[\w-]+\.md),? \"([^\"\n]+)\"")
+HEADING_LINE = re.compile(r"^#+\s+(?:\d+\.\s+)?(.+)$", re.M)
+
+
+def headings_of(page: Path) -> list[str]:
+    return [h.replace("`", "") for h in HEADING_LINE.findall(page.read_text(encoding="utf-8"))]
+
+
+def cited_headings_missing() -> list[str]:
+    """Each `PAGE.md "Heading"` in the code's comments names a heading of that page (the cited text is the heading or
+    its start, backticks aside): a renamed heading takes the comments that cite it along."""
+    missing = []
+    for path in tracked_text_files():
+        if path.suffix != ".py" or path == Path(__file__).resolve():
+            continue
+        for page, heading in HEADING_CITATION.findall(path.read_text(encoding="utf-8", errors="replace")):
+            found = next((base / page for base in (path.parent, REPO, REPO / "docs") if (base / page).is_file()), None)
+            wanted = heading.replace("`", "")
+            if found is not None and not any(h.startswith(wanted) for h in headings_of(found)):
+                missing.append(f"{path.relative_to(REPO)}: {page} \"{heading}\"")
+    return missing
+
+
+def test_every_cited_heading_is_a_heading_of_its_page():
+    if not (REPO / ".git").exists():
+        pytest.skip("needs the git checkout (git ls-files)")
+    missing = cited_headings_missing()
+    assert not missing, f"citations of headings their page does not have: {missing}"
+
+
+def test_a_heading_citation_is_found_and_a_missing_one_reported(tmp_path):
+    assert HEADING_CITATION.findall('(docs/DESIGN.md "Checkpoints") and docs/CLI.md, "inspect SRC"') == [
+        ("docs/DESIGN.md", "Checkpoints"), ("docs/CLI.md", "inspect SRC")]
+    page = tmp_path / "P.md"
+    page.write_text("# Title\n## 3. The `pad-global` transform\n")
+    assert headings_of(page) == ["Title", "The pad-global transform"]

@@ -53,7 +53,7 @@ TIMEOUT_S = 3600
 REF_CACHE = Path(os.environ.get("GEMMA4_SERVE_REF_CACHE") or Path.home() / ".cache" / "gemma4-convert" / "serve-ref")
 
 
-# Measured (docs/VLLM_CHECK.md, "Results"): E2B pad-global in fp32 generates every token identically but misses
+# Measured (docs/VLLM_CHECK.md, "Engine matrix"): E2B pad-global in fp32 generates every token identically but misses
 # the strict fp32 verdict: max |delta logprob| 1.12e-3 = 2.8 x the original's own noise (4.0e-4), and 1 of 240
 # draft tokens differs under 5.14.1, 0 under 5.24.0 (an ordered-embedding draft: its centroid top-k can flip on
 # a 1e-3 change). Per-layer

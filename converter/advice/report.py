@@ -31,7 +31,7 @@ REPORT_VERSION = 1
 
 def inspect_checkpoint(checkpoint: Checkpoint, *, serving: ServingEnv | None = None,
                        tp: int | None = None) -> dict[str, Any]:
-    """The inspect document for one checkpoint (see docs/CLI.md, "inspect --json keys").
+    """The inspect document for one checkpoint (see docs/CLI.md, "inspect SRC").
 
     Args:
         checkpoint: the checkpoint (config and headers are all that is read).
