@@ -593,20 +593,21 @@ def _serving_record(serving: ServingEnv | None) -> dict[str, Any] | None:
 def _card_writer(plan: ConversionPlan, item: PlannedCheckpoint) -> Callable[[dict[str, Any]], str]:
     """The card of item's output, from its manifest: named after OUT (a pair's assistant OUT-assistant, as
     `upload OUT OWNER/NAME` names the repos), quoting the source's card's license."""
-    from .hub.card import output_card  # yaml and the ledger tables: only a written output needs them
+    from .hub.card import output_card  # the ledger tables: only a written output needs them
     from .hub.provenance import infer_base_model
+    from .read.card import front_matter_of
 
     name = plan.request.out.absolute().name
     names = {Role.TARGET: name, Role.ASSISTANT: name + ASSISTANT_SUFFIX} if item.role is not Role.SINGLE else \
         {item.plan.role: name}
     partner = names.get(Role.ASSISTANT if item.plan.role == Role.TARGET else Role.TARGET)
     kept = next((n for n in (SOURCE_CARD_NAME, CARD_NAME) if n in item.plan.side_files), None)
-    source_card = (item.source.path / kept).read_text(encoding="utf-8", errors="replace") if kept else None
+    front_matter = front_matter_of(item.source.path / kept) if kept else None
 
     def render(manifest: dict[str, Any]) -> str:
         base = infer_base_model(manifest)
-        return output_card(manifest, name=names[item.plan.role], partner=partner, source_card=source_card,
-                           base_model=base.repo_id if base else None)
+        return output_card(manifest, name=names[item.plan.role], partner=partner, source_card=kept is not None,
+                           source_front_matter=front_matter, base_model=base.repo_id if base else None)
     return render
 
 

@@ -10,7 +10,6 @@ the repo ids and verification.json.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 import yaml
@@ -29,41 +28,29 @@ from ..pairing import serve_line
 
 # Keys of the source card's front matter that still hold for the converted weights.
 CARRIED_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag")
-_FRONT_MATTER = re.compile(r"^---\s*\n(.*?)\n---\s*(\n|$)", flags=re.S)
-
-
-def front_matter_of(card: str) -> dict[str, Any] | None:
-    """A model card's YAML front matter (license, language, tags...), or None where it has none readable."""
-    match = _FRONT_MATTER.match(card)
-    if match is None:
-        return None
-    try:
-        data = yaml.safe_load(match.group(1))
-    except yaml.YAMLError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 PLACEHOLDER_OWNER = "OWNER"  # convert's card: the repo ids `upload DST OWNER/NAME` fills in
 
 
-def output_card(manifest: Mapping[str, Any], *, name: str, partner: str | None, source_card: str | None,
-                base_model: str | None) -> str:
+def output_card(manifest: Mapping[str, Any], *, name: str, partner: str | None, source_card: bool,
+                source_front_matter: Mapping[str, Any] | None, base_model: str | None) -> str:
     """The card `convert` writes as README.md: the output's own, with placeholder repo ids (OWNER/NAME, the
     assistant OWNER/NAME-assistant as `upload DST OWNER/NAME` names them) and no verification yet.
 
     Args:
         manifest: the checkpoint's conversion.json document.
         name: the repo name this checkpoint would get; partner: its partner's, in a pair.
-        source_card: the text of the source's README.md (kept beside as README.source.md), if it had one.
+        source_card: whether the source had a README.md (kept beside as README.source.md); source_front_matter: its
+            front matter (read.card.front_matter_of).
         base_model: the source's Hub repo id, if known.
     """
     own = f"{PLACEHOLDER_OWNER}/{name}"
     other = f"{PLACEHOLDER_OWNER}/{partner}" if partner else None
     target, assistant = (own, other) if manifest.get("role") == Role.TARGET else (other, own)
     return render_card(manifest=manifest, verification=None, repo_id=own, target_repo=target, assistant_repo=assistant,
-                       base_model=base_model, source_front_matter=front_matter_of(source_card) if source_card else None,
-                       source_card=source_card is not None, verified=False)
+                       base_model=base_model, source_front_matter=source_front_matter,
+                       source_card=source_card, verified=False)
 
 
 def render_card(*, manifest: Mapping[str, Any], verification: Mapping[str, Any] | None, repo_id: str,

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 from .. import __version__
 from ..errors import InputError, UsageError, VerificationFailed
 from ..gemma4 import Role
+from ..read.card import front_matter_of
 from ..read.checkpoint import CARD_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, VERIFICATION_NAME, read_json
 from ..pairing import misread_draft_name
 from ..proof.files import file_problems, manifest_sha256
@@ -123,7 +124,7 @@ def plan_upload(request: UploadRequest, *, on_bytes: Callable[[int], None] = lam
     items, unknown, bases = [], [], {}
     for role, directory in dirs.items():
         manifest = manifests[role]
-        from .card import render_card  # yaml and the layouts: only writing a card needs them
+        from .card import render_card  # the layouts and the ledger: only writing a card needs them
 
         base = infer_base_model(manifest, override=_base_override(request, role, str(manifest.get("role"))))
         bases[str(manifest.get("role"))] = base
@@ -138,7 +139,7 @@ def plan_upload(request: UploadRequest, *, on_bytes: Callable[[int], None] = lam
         card = render_card(manifest=public, verification=public_verification, repo_id=request.repos[role],
                            target_repo=serve_repos.get(Role.TARGET), assistant_repo=serve_repos.get(Role.ASSISTANT),
                            base_model=base.repo_id if base else None,
-                           source_front_matter=_front_matter(source_card) if source_card else None,
+                           source_front_matter=front_matter_of(source_card) if source_card else None,
                            source_card=source_card is not None,
                            engine_report=scrub_paths(engine_report, private) if engine_report else None)
         rewritten = {MANIFEST_NAME: public}
@@ -282,17 +283,7 @@ def _source_card(directory: Path) -> Path | None:
 
 
 def _is_our_card(path: Path) -> bool:
-    from .card import front_matter_of
-
-    return "gemma4-convert" in ((front_matter_of(path.read_text(encoding="utf-8", errors="replace")) or {})
-                                .get("tags") or [])
-
-
-def _front_matter(readme: Path) -> dict[str, Any] | None:
-    """The YAML front matter of the source's card (license, language...), if it has one."""
-    from .card import front_matter_of
-
-    return front_matter_of(readme.read_text(encoding="utf-8", errors="replace"))
+    return "gemma4-convert" in ((front_matter_of(path) or {}).get("tags") or [])
 
 
 def _upload_files(directory: Path, card: str, rewritten: Mapping[str, Any]) -> tuple[UploadFile, ...]:
