@@ -434,7 +434,7 @@ CONSUMER_TRANSFORMERS = ("5.8.0", LEGACY_TRANSFORMERS, "5.15.0", "5.19.0", NEWES
 # the forms Google shipped later (12B unified, the QAT pair): under the two transformers releases of the 0.27.0
 # envs CI builds (the last before 5.15 and the newest measured)
 LATER_FORM_CONSUMER_SOURCES = ("12b-unified", "31b-qat-q4_0")
-LATER_FORM_CONSUMER_TRANSFORMERS = (LEGACY_TRANSFORMERS, "5.24.0")
+LATER_FORM_CONSUMER_TRANSFORMERS = (LEGACY_TRANSFORMERS, "5.19.0", "5.24.0")
 # (engine case, transformers) of every transformers consumer row
 CONSUMER_ROWS = (tuple((name, tf) for tf in CONSUMER_TRANSFORMERS for name in CONSUMER_SOURCES)
                  + tuple((name, tf) for tf in LATER_FORM_CONSUMER_TRANSFORMERS for name in LATER_FORM_CONSUMER_SOURCES))
