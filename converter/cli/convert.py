@@ -95,7 +95,8 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
     request = ConvertRequest(
         out=out, sources=sources, layout=flat_layout if flat_keys_only and layout is None else layout,
         layout_options=dict([FLAT_KEYS_ONLY]) if flat_keys_only else {},
-        serving=serving_env(serving_python, serving_spec), target_only=target_only, force=force, max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp,
+        serving=serving_env(serving_python, serving_spec), target_only=target_only, force=force,
+        max_shard_bytes=max_shard_size, link=link, hashed=hashed, tp=tp,
         dry_run=dry_run, any_name=any_name, dequantize_assistant=dequantize_assistant)
     with ExitStack() as stack:
         progress: list[Any] = []
