@@ -143,6 +143,19 @@ def test_assistant_alone_is_checked_against_placed_kv(converted, tmp_path, run_c
 
 
 
+def test_an_assistant_alone_without_its_conversion_json_is_judged_not_refused(converted, tmp_path, run_cli):
+    """No conversion.json to name the layout: the K/V are placed by the layout that writes the output's geometry, the
+    numbers are computed, and the verdict names the missing file (exit 1), not an unknown layout (exit 2)."""
+    out = tmp_path / "assistant"
+    shutil.copytree(converted / "pad-global" / "assistant", out)
+    (out / "conversion.json").unlink()
+    result = run_cli("verify", converted / "src" / "assistant", out, "--device", "cpu", "--json", tmp_path / "r.json")
+    assert result.code == 1, result.out + result.err
+    assert "has no conversion.json" in result.err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [layer["name"] for layer in report["layers"]] == ["assistant hidden", "assistant logits"]
+    assert all(layer["passed"] for layer in report["layers"]), report["layers"]
+
 def test_tp_checks_the_pair_at_the_sizes_served(converted, tmp_path, run_cli):
     """--tp N: the pair's per-rank KV geometry at N, and a size vLLM refuses for the target (31B: 32 heads, 16 / 4 KV
     heads, so 3 divides nothing) fails verify by name; a size it serves passes."""
@@ -167,7 +180,7 @@ def test_the_layouts_cache_placement_is_where_the_converted_target_caches(conver
     source, output = read_checkpoint(converted / "src" / "target"), read_checkpoint(converted / layout / "target")
     _, kv_runs = check_target_layers(source, output, device=torch.device("cpu"), check="fp32", seed=0, seq_len=16,
                                      factor=4.0, on_layer=lambda name: None)
-    placed_layout = layout_from_manifest(output.manifest)
+    placed_layout = [layout_from_manifest(output.manifest)]
     before = text_spec_from_config(text_config_of(source.config)).layers
     after = text_spec_from_config(text_config_of(output.config)).layers
     checked = 0

@@ -10,7 +10,8 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping
 from ..dequantize import dequantized, refuse_undequantizable, without_quantization
 from ..errors import UnsupportedLayoutError, UsageError
 from ..gemma4 import GEOMETRY_KEYS, AttentionConfig, ModelSpec, attention_tensor_name, without_dual_keys
-from ..plan import ACTION_KEPT, ACTION_SPLIT, CachePlacement, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged, plan_shards
+from ..plan import (ACTION_KEPT, ACTION_SPLIT, CachePlacement, CheckpointPlan, SourceSlice, TensorPlan, mark_unchanged,
+                    plan_shards)
 from ..read.checkpoint import Checkpoint
 from ..validate import refuse_invalid, refuse_invalid_config
 from ..validate.attention import AttentionTensor, find_attention_tensors
@@ -132,13 +133,11 @@ class Layout:
         return attention
 
     def cache_placement(self, *, num_kv_heads: int, head_dim: int, output_kv_heads: int, output_head_dim: int,
-                        key: bool) -> CachePlacement:
+                        key: bool) -> CachePlacement | None:
         """Where a target this layout wrote caches the K (key) or V states of a layer whose original geometry is
-        (num_kv_heads, head_dim) and whose output geometry is (output_kv_heads, output_head_dim): as they are unless
-        the layout changes KV geometry."""
-        if (num_kv_heads, head_dim) != (output_kv_heads, output_head_dim):
-            raise NotImplementedError(f"{self.name} changes KV geometry but does not say where the cache holds it")
-        return CachePlacement()
+        (num_kv_heads, head_dim) and whose output geometry is (output_kv_heads, output_head_dim); None where this
+        layout does not write that geometry. Here: as they are, for a layout that keeps KV geometry."""
+        return CachePlacement() if (num_kv_heads, head_dim) == (output_kv_heads, output_head_dim) else None
 
     def ledger_shape(self, kv_heads: str) -> tuple[str, str]:
         """(config form, KV-head pattern) of this layout's output for a source with KV-head pattern `kv_heads`:

@@ -187,7 +187,7 @@ class PadGlobalLayout(Layout):
         return kept(tensor, out_name)  # channel scales: the zero codes are exact under any scale
 
     def cache_placement(self, *, num_kv_heads: int, head_dim: int, output_kv_heads: int, output_head_dim: int,
-                        key: bool) -> CachePlacement:
+                        key: bool) -> CachePlacement | None:
         # as plan_attention moves k_proj / v_proj rows: each head's rows padded (duplicated into the copy slots),
         # then whole heads replicated; k_norm's zero weights at the copy slots zero the cached key copies
         rows: list[tuple[Transform, dict[str, int]]] = []

@@ -20,7 +20,8 @@ from ..plan import SourceSlice
 from ..read.checkpoint import Checkpoint
 from ..read.safetensors_header import TensorRef
 from ..read.tensor_reader import read_range
-from ..layouts.base import Layout, layout_from_manifest
+from ..errors import UnsupportedLayoutError
+from ..layouts.base import Layout, layout_from_manifest, layouts_in_preference
 from ..plan import CachePlacement
 from ..transforms import apply_transform, decode, expand_scale, torch_dtype, unpack_signed_codes
 from .checks import LayerCheck
@@ -230,7 +231,7 @@ def synthetic_target_kv(source: Checkpoint, output: Checkpoint, *, device: torch
     """K/V for an assistant verified without its target: random in the original geometry, and the same values
     placed where a target converted by the output's layout caches them (Layout.cache_placement)."""
     dtypes = run_dtypes(check)
-    layout = layout_from_manifest(output.manifest or {})
+    layouts = _recorded_layout(output)
     before = assistant_spec_from_config(source.config).text.layers
     after = assistant_spec_from_config(output.config).text.layers
     kv_runs: dict[str, KvByType] = {"truth": {}, "floor": {}, "converted": {}}
@@ -241,17 +242,33 @@ def synthetic_target_kv(source: Checkpoint, output: Checkpoint, *, device: torch
         shape = (BATCH, b.num_kv_heads, seq_len, b.head_dim)
         key = rms_norm(torch.randn(shape, generator=generator), None, eps=b.eps).to(device)
         value = rms_norm(torch.randn(shape, generator=generator), None, eps=b.eps).to(device)
-        converted = (_as_converted(key, _placement(layout, b, a, key=True), head_dim=a.head_dim),
-                     _as_converted(value, _placement(layout, b, a, key=False), head_dim=a.head_dim))
+        converted = (_as_converted(key, _placement(layouts, b, a, key=True), head_dim=a.head_dim),
+                     _as_converted(value, _placement(layouts, b, a, key=False), head_dim=a.head_dim))
         for run in RUNS:
             states = converted if run == "converted" else (key, value)
             kv_runs[run][layer_type] = (states[0].to(dtypes[run]), states[1].to(dtypes[run]))
     return kv_runs
 
 
-def _placement(layout: Layout, before: LayerSpec, after: LayerSpec, *, key: bool) -> CachePlacement:
-    return layout.cache_placement(num_kv_heads=before.num_kv_heads, head_dim=before.head_dim,
-                                  output_kv_heads=after.num_kv_heads, output_head_dim=after.head_dim, key=key)
+def _recorded_layout(output: Checkpoint) -> list[Layout]:
+    """The layout the output's conversion.json records; without one (verify's structural check reports that), every
+    layout, asked in preference order."""
+    try:
+        return [layout_from_manifest(output.manifest or {})]
+    except UnsupportedLayoutError:
+        return layouts_in_preference()
+
+
+def _placement(layouts: list[Layout], before: LayerSpec, after: LayerSpec, *, key: bool) -> CachePlacement:
+    """The first of `layouts` that writes this layer's K/V geometry says where its cache holds the original's."""
+    found = (layout.cache_placement(num_kv_heads=before.num_kv_heads, head_dim=before.head_dim,
+                                    output_kv_heads=after.num_kv_heads, output_head_dim=after.head_dim, key=key)
+             for layout in layouts)
+    placement = next((p for p in found if p is not None), None)
+    if placement is None:
+        raise ValueError(f"no layout writes {before.num_kv_heads} KV heads x {before.head_dim} as "
+                         f"{after.num_kv_heads} x {after.head_dim}")
+    return placement
 
 
 def _as_converted(states: torch.Tensor, placement: CachePlacement, *, head_dim: int) -> torch.Tensor:
