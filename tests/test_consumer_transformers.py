@@ -9,7 +9,9 @@ CONSUMER_SOURCES (real head sizes, varied greedy output), the original, per-laye
 - the target's logits of a fixed prompt: per-layer identical to the original's; pad-global no further from the
   original's float64 logits than 2x the original's own float32 error (its noise floor);
 - greedy `generate` of the target alone, and with `assistant_model=` the assistant: the original's tokens; where
-  transformers cannot run the original's assistant either (cases.TRANSFORMERS_LIMITS), the layouts must fail alike.
+  transformers cannot run the original's assistant either (cases.TRANSFORMERS_LIMITS), the layouts must fail alike;
+- where the release cannot load the original's target at all (cases.TRANSFORMERS_FORM_LIMITS: a form newer than it),
+  every variant must fail with the original's error (a `not run` row).
 
 `make compat` runs every row and records them; CI checks their digests (tests/test_ledger.py), see CI_ROW.
 """
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 import pytest
 
-from converter.advice.ledger import CHECK_CONSUMER, FAIL, PASS, LedgerRow
+from converter.advice.ledger import CHECK_CONSUMER, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from matrix.cases import CONSUMER_ROWS, ENGINE_SOURCES, ORIGINAL, TRANSFORMERS_LIMITS
+from matrix.cases import CONSUMER_ROWS, ENGINE_SOURCES, ORIGINAL, TRANSFORMERS_FORM_LIMITS, TRANSFORMERS_LIMITS
 
-from _consumers import assert_varied, max_diff, record_as_expected, run_check, variants
+from _consumers import assert_varied, judge_fails_as_original, max_diff, record_as_expected, run_check, variants
 from _ledger import skip_if_all_unchanged, today
 from _vllm_envs import VllmEnv, find_transformers_env
 
@@ -72,7 +74,10 @@ def judge(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
 
 def consumer_row(name: str, variant: str, env: VllmEnv, version: str, digest: str, verdict: str = PASS,
                  detail: str = "", figures: dict | None = None) -> LedgerRow:
-    expected = FAIL if variant == ORIGINAL and version in TRANSFORMERS_LIMITS else PASS
+    if (name, version) in TRANSFORMERS_FORM_LIMITS:
+        expected = NOT_RUN
+    else:
+        expected = FAIL if variant == ORIGINAL and version in TRANSFORMERS_LIMITS else PASS
     return LedgerRow(case=name, form=ENGINE_SOURCES[name].form, layout=variant, vllm="", transformers=version,
                      torch=env.torch, torch_pin=True, check=CHECK_CONSUMER, verdict=verdict, expected=expected,
                      digest=digest, measured=today(), vllm_package="", detail=detail, figures=figures or {},
@@ -89,6 +94,13 @@ def test_transformers_loads_and_generates_like_the_original(engine_case, tmp_pat
     report = run_check(env.python, CONSUMER, pair.reference, pairs, tmp_path / "report.json")
     assert report["transformers"] == env.transformers
     ref = report["pairs"]["reference"]
+    limit = TRANSFORMERS_FORM_LIMITS.get((name, transformers))
+    if limit:
+        assert "crash" not in ref and ref["target_error"], ref  # the original itself: the release's limit, measured
+        record_as_expected([consumer_row(name, v, env, env.transformers, d, *judge_fails_as_original(
+            {"target": report["pairs"][v].get("target_error")}, {"target": ref["target_error"]}, limit))
+            for v, d in digests.items()])
+        return
     assert "crash" not in ref and ref["target_error"] is None, ref
     assert_varied(ref["greedy"])
     rows = []

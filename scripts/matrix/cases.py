@@ -431,13 +431,11 @@ ENGINE_LAYOUTS = ("pad-global", "per-layer")  # pad-global first: its printed co
 # 5.14.1 (the last before per_layer_config), 5.15.0 (the first with it), 5.19.0, and the newest
 CONSUMER_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "e2b")
 CONSUMER_TRANSFORMERS = ("5.8.0", LEGACY_TRANSFORMERS, "5.15.0", "5.19.0", NEWEST)
-# the forms Google shipped later (12B unified, the QAT pair): under the two transformers releases of the 0.27.0
-# envs CI builds (the last before 5.15 and the newest measured)
+# the forms Google shipped later (12B unified, the QAT pair), under the same releases
 LATER_FORM_CONSUMER_SOURCES = ("12b-unified", "31b-qat-q4_0")
-LATER_FORM_CONSUMER_TRANSFORMERS = (LEGACY_TRANSFORMERS, "5.19.0", "5.24.0")
 # (engine case, transformers) of every transformers consumer row
-CONSUMER_ROWS = (tuple((name, tf) for tf in CONSUMER_TRANSFORMERS for name in CONSUMER_SOURCES)
-                 + tuple((name, tf) for tf in LATER_FORM_CONSUMER_TRANSFORMERS for name in LATER_FORM_CONSUMER_SOURCES))
+CONSUMER_ROWS = tuple((name, tf) for tf in CONSUMER_TRANSFORMERS
+                      for name in (*CONSUMER_SOURCES, *LATER_FORM_CONSUMER_SOURCES))
 # what a transformers release cannot do for the ORIGINAL pair either (measured): the rows record it as the consumer's
 # own limit; a layout passes when it behaves exactly as the original does
 # mlx-lm (MLX's CPU backend) on the text-only engine cases: 31B geometry whose converter input is the
@@ -469,6 +467,10 @@ SGLANG_LIMITS = {("0.5.13", "31b-mm-resaved")}
 # SGLang's drafting (FROZEN_KV_MTP) on CPU, each release: the case its `not run` rows are measured on (no release
 # drafts there, the original alike: docs/PROOF.md, "Drafting in each consumer")
 SGLANG_DRAFT_SOURCES = ("31b-mm-2shards",)
+# (engine case, transformers) whose ORIGINAL target that release cannot load at all (measured): every variant must fail
+# exactly as the original does, a `not run` row
+TRANSFORMERS_FORM_LIMITS = {("12b-unified", "5.8.0"): "transformers 5.8.0 does not know model type gemma4_unified "
+                                                      "(the 12B form)"}
 TRANSFORMERS_LIMITS = {"5.19.0": "generate(assistant_model=...) raises TypeError in "
                                  "SinglePositionMultiTokenCandidateGenerator (missing input_ids, model_kwargs)"}
 
