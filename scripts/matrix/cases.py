@@ -447,7 +447,7 @@ MLX_TRANSFORMERS = "5.24.0"  # the transformers of that env (mlx-lm reads config
 # mlx-vlm drafts only beside its multimodal gemma4 model (its gemma4_text model returns no hidden states, measured),
 # so the multimodal engine cases (31B geometry, the 26B-A4B MoE as released) draft, and a text-only one (E2B) records
 # the original's own error as `not run`
-MLX_DRAFT_SOURCES = ("31b-mm-2shards", "26b-a4b-qat-q4_0", "e2b")
+MLX_DRAFT_SOURCES = ("31b-mm-2shards", "26b-a4b-qat-q4_0", "e2b", *LATER_FORM_CONSUMER_SOURCES)
 MLX_VLM = "0.7.10"  # scripts/consumers/mlxvlm/requirements.txt
 MLX_VLM_TRANSFORMERS = "5.25.0"  # the transformers of that env (mlx-vlm reads configs with it)
 # llama.cpp (tests/test_consumer_llamacpp.py): its GGUF converter and runtime as llama-cpp-python's sdist vendors them

@@ -612,7 +612,11 @@ def write_tensors(out_dir: Path, specs: list[TensorSpec], *, num_shards: int = 1
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-UNIFIED_VISION = {"model_type": "gemma4_unified_vision", "patch_size": 4, "pooling_kernel_size": 1,
+# patch_size x pooling_kernel_size as released (16 x 3 = 48-pixel model patches, a 6912-wide patch_ln1): transformers
+# derives model_patch_size from the two, mlx-vlm 0.7.10 reads it as a field defaulting to 48, so a smaller product
+# loads in transformers and not in mlx-vlm (measured: "Expected shape (6912,) but received shape (48,) for parameter
+# vision_embedder.patch_ln1.weight"), where Google's 12B loads in both
+UNIFIED_VISION = {"model_type": "gemma4_unified_vision", "patch_size": 16, "pooling_kernel_size": 3,
                   "mm_embed_dim": 16, "mm_posemb_size": 8, "output_proj_dims": 16, "rms_norm_eps": 1e-6}
 
 
