@@ -22,7 +22,8 @@ from .quantization import check_quantization_config, modelopt_from_hf_quant_conf
 # attention reads the same flat keys; transformers keeps the same heterogeneous geometry (global_head_dim popped into
 # per_layer_config by configuration_gemma4_unified.py >= PER_LAYER_TRANSFORMERS). Its assistant becomes gemma4_mtp like
 # the others (docs/DESIGN.md "What stock vLLM 0.27.0 does").
-TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text", "gemma4_unified": "multimodal"}
+UNIFIED_FAMILY = "gemma4_unified"  # the 12B's target model_type; its assistant's is gemma4_unified_assistant
+TARGET_MODEL_TYPES = {"gemma4": "multimodal", "gemma4_text": "text", UNIFIED_FAMILY: "multimodal"}
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -56,6 +57,8 @@ FORM_FUSED = "fused-qkv"  # self_attn.qkv_proj tensors: vLLM 0.27 maps split q/k
 # (docs/DESIGN.md "Zero-cost serving with the dual-keys recipe"): every "transformers<X" / ">=X" the tool says is built
 # from it
 PER_LAYER_TRANSFORMERS = "5.15"
+# the first transformers with gemma4_unified, the 12B family (docs/DESIGN.md "The 12B family's floors")
+UNIFIED_TRANSFORMERS = "5.10"
 FORM_PER_LAYER_CONFIG = "per-layer-config"  # config.json holds per_layer_config (transformers >= PER_LAYER_TRANSFORMERS dialect)
 FORM_HOMOGENEOUS = "homogeneous"  # one head size and KV-head count everywhere
 FORM_DUAL_KEYS = "dual-keys"  # heterogeneous flat keys + the zero-cost dual keys
@@ -217,6 +220,11 @@ class ModelSpec:
         if self.role == Role.ASSISTANT:
             return f"MTP assistant ({self.model_type})"
         return f"Gemma 4 target ({'multimodal' if self.multimodal else 'text-only'} {self.model_type})"
+
+    @property
+    def unified(self) -> bool:
+        """The 12B family (gemma4_unified / gemma4_unified_assistant), which older transformers and vLLM lack."""
+        return self.model_type.startswith(UNIFIED_FAMILY)
 
     def last_layer_of_type(self, layer_type: str) -> int | None:
         found = [i for i, t in enumerate(self.attention.layer_types) if t == layer_type]

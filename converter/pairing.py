@@ -108,7 +108,6 @@ def check_pair(target: ModelSpec, assistant: ModelSpec, *, target_manifest: Mapp
     return PairReport(shares=shares, problems=tuple(problems), per_rank=per_rank, notes=pair_notes(target, assistant))
 
 
-UNIFIED_FAMILY = "gemma4_unified"  # the 12B's target model_type; its assistant's is gemma4_unified_assistant
 
 
 def pair_notes(target: ModelSpec, assistant: ModelSpec) -> tuple[str, ...]:
@@ -131,7 +130,7 @@ def pair_notes(target: ModelSpec, assistant: ModelSpec) -> tuple[str, ...]:
                   "acceptance)" if draft_window > window else "attends to less than the target's cache holds")
         notes.append(f"assistant sliding_window {draft_window} != target's {window}: its sliding layers read the "
                      f"target's cache but attend over their own window (vLLM 0.27's Gemma4MTP), which {effect}")
-    if (target.model_type == UNIFIED_FAMILY) != assistant.model_type.startswith(UNIFIED_FAMILY):
+    if target.unified != assistant.unified:
         notes.append(f"{assistant.model_type} beside a {target.model_type} target: vLLM 0.27 maps "
                      f"both assistant types to one draft (Gemma4MTP) and serves the pair; no such pair is published "
                      f"(the 12B ships gemma4_unified with gemma4_unified_assistant), so check the assistant was "

@@ -199,3 +199,23 @@ def test_convert_says_when_the_source_already_serves(forms, tmp_path, run_cli, f
             "vLLM is 0.28 or newer" in result.out) == serves_where
     assert ("--layout per-layer serves at zero cost (same tensors, same KV cache) with vLLM " in result.out) \
         == zero_cost_note
+
+
+def test_the_12b_family_floors_are_predicted_and_no_layout_lifts_them():
+    """transformers < 5.10 has no gemma4_unified, vLLM < 0.23 no gemma4_unified_assistant draft (docs/DESIGN.md "The
+    12B family's floors"); the same config of another family is not held to them, and no layout is advised there."""
+    from converter.advice.evidence import Shape
+    from converter.advice.serving import NO_UNIFIED_DRAFT, UNKNOWN_MODEL_TYPE, decide, predict
+    from converter.gemma4 import FORM_DUAL_KEYS, FORM_FLAT, FORM_HOMOGENEOUS, KV_MIXED, KV_UNIFORM
+
+    twelve_b = Shape(FORM_DUAL_KEYS, KV_MIXED, (8, 1, 2), unified=True)
+    padded = Shape(FORM_HOMOGENEOUS, KV_UNIFORM, None, unified=True)
+    assert predict(twelve_b, ServingEnv("0.27.0", "5.8.0")).error == UNKNOWN_MODEL_TYPE
+    assert predict(padded, ServingEnv("0.21.0", "5.9.0")).error == UNKNOWN_MODEL_TYPE
+    assert predict(twelve_b, ServingEnv("0.22.1", "5.24.0")).error == NO_UNIFIED_DRAFT
+    assert predict(padded, ServingEnv("0.21.0", "5.24.0")).error == NO_UNIFIED_DRAFT
+    assert predict(twelve_b, ServingEnv("0.23.0", "5.14.1")).outcome == "loads"
+    assert predict(Shape(FORM_DUAL_KEYS, KV_MIXED, (16, 4, 2)), ServingEnv("0.27.0", "5.8.0")).outcome == "loads"
+    for env in (ServingEnv("0.27.0", "5.8.0"), ServingEnv("0.22.1", "5.24.0")):
+        decision = decide(Shape(FORM_FLAT, KV_MIXED, (8, 1, 2), unified=True), env)
+        assert decision.layout is None and "gemma4_unified" in decision.why, decision

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..gemma4 import RELEASED_KV_GEOMETRY
+from ..gemma4 import RELEASED_KV_GEOMETRY, UNIFIED_TRANSFORMERS
 from .ledger import CHECK_LOADER, PASS, LedgerRow, load_ledger, version_key
 
 NEAREST_SHOWN = 3
@@ -27,6 +27,7 @@ class Shape:
     # (sliding KV heads, full KV heads, head-size ratio) of the source (AttentionConfig.kv_geometry): rows of another
     # geometry do not speak for it; None: every geometry's rows do (a homogeneous checkpoint)
     geometry: tuple[int, int, int] | None = None
+    unified: bool = False  # the 12B family (ModelSpec.unified): its own transformers and vLLM floors
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ def serving_rows(rows: Iterable[LedgerRow] | None = None) -> tuple[LedgerRow, ..
 def evidence(shape: Shape, vllm: str, transformers: str | None, rows: Iterable[LedgerRow] | None = None) -> Evidence:
     """The rows of `shape` measured with vLLM `vllm` (and `transformers`, or any transformers when None), and when
     there are none, the NEAREST_SHOWN nearest of that shape: the same release first, then the closest releases."""
-    same = [r for r in serving_rows(rows) if (r.config_form, r.kv_heads) == (shape.form, shape.kv_heads)]
+    same = [r for r in serving_rows(rows) if (r.config_form, r.kv_heads) == (shape.form, shape.kv_heads)
+            and same_family(r, shape)]
     own = [r for r in same if shape.geometry is None or row_geometry(r) == shape.geometry]
     exact = tuple(r for r in own if r.vllm == vllm and (transformers is None or r.transformers == transformers))
     if exact:
@@ -72,6 +74,20 @@ def evidence(shape: Shape, vllm: str, transformers: str | None, rows: Iterable[L
 def row_geometry(row: LedgerRow) -> tuple[int, int, int] | None:
     """The attention geometry of the published size a row's source stands for (its form's first word)."""
     return RELEASED_KV_GEOMETRY.get(row.form.split(",", 1)[0].strip())
+
+
+def row_unified(row: LedgerRow) -> bool:
+    """The row's source is of the 12B family (gemma4_unified)."""
+    return "unified" in row.form
+
+
+def same_family(row: LedgerRow, shape: Shape) -> bool:
+    """The row speaks for `shape`'s family: the 12B family's rows only for it and the others' only for theirs, and
+    not its rows below the transformers it needs, which say nothing of a layout (docs/DESIGN.md "The 12B family's
+    floors"; `predict` answers there)."""
+    if row_unified(row) != shape.unified:
+        return False
+    return not shape.unified or version_key(row.transformers)[:2] >= version_key(UNIFIED_TRANSFORMERS)[:2]
 
 
 def _distance(row: LedgerRow, vllm: str, transformers: str | None) -> tuple:

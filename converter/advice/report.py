@@ -22,7 +22,7 @@ from ..validate import (AttentionTensor, attention_problems, checkpoint_problems
                         find_attention_tensors)
 from .consumers import drafting_proofs
 from .pitfalls import q4_0_grid_notes, serving_pitfalls
-from .serving import (KV_MIXED, VLLM_027_OLD, ServingEnv, measured, predict, recommend, releases_where, shape_of,
+from .serving import (VLLM_027_OLD, ServingEnv, measured, predict, recommend, releases_where, shape_of,
                       vllm_027_new)
 from .vllm_loading import RAISES, TensorLoad, kv_shared_gaps, predict_weight_loading
 
@@ -336,9 +336,8 @@ def predict_vllm(spec: ModelSpec, tensors: list[AttentionTensor], loads: list[Te
     old, new = (measured(shape, env)[0].document() for env in envs)
     # where the config gets through (measured, or expected where no row of this shape ran), the weight loaders
     # decide: the tensors that contradict the config raise or are silently truncated
-    config_loads = [v["outcome"] == "loads" or (v["outcome"] == "unknown" and predict(
-        shape.form, env, mixed_kv_heads=shape.kv_heads == KV_MIXED).outcome == "loads")
-        for v, env in zip((old, new), envs)]
+    config_loads = [v["outcome"] == "loads" or (v["outcome"] == "unknown" and predict(shape, env).outcome == "loads")
+                    for v, env in zip((old, new), envs)]
     weights = _weights_verdict(list(loads))
     if weights is not None:
         old = weights if config_loads[0] else old

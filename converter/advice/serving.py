@@ -20,10 +20,11 @@ from typing import Any
 from ..cost import kv_costs
 from ..errors import UsageError
 from ..gemma4 import (DIALECT_LEGACY, FORM_DUAL_KEYS, FORM_FLAT, FORM_FUSED, FORM_HOMOGENEOUS, FORM_PER_LAYER_CONFIG,
-                      KV_MIXED, KV_UNIFORM, PER_LAYER_TRANSFORMERS, ModelSpec, describe_kv_geometry)
+                      KV_MIXED, KV_UNIFORM, PER_LAYER_TRANSFORMERS, UNIFIED_TRANSFORMERS, ModelSpec,
+                      describe_kv_geometry)
 from ..layouts import Layout, get_layout, layouts_in_preference
-from .ledger import CHECK_LOADER, PASS, load_ledger, release_requirements, version_key
-from .evidence import Evidence, Shape, describe_rows, evidence, row_geometry, serving_rows
+from .ledger import CHECK_LOADER, PASS, LedgerRow, load_ledger, release_requirements, version_key
+from .evidence import Evidence, Shape, describe_rows, evidence, row_geometry, same_family, serving_rows
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
@@ -33,6 +34,14 @@ VLLM_READS_PER_LAYER = (0, 28)  # first vLLM that reads per-layer configs itself
 VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (docs/DESIGN.md "Which vLLM releases have this problem")
 VLLM_DRAFT_KV_HEADS = (0, 23)  # first vLLM whose draft builds full layers with the global KV-head count
 KV_SHARING = "kv_sharing"  # the draft's KV geometry differs from the target layer whose cache it reads
+# the 12B family's floors (docs/DESIGN.md "The 12B family's floors"): the first transformers with gemma4_unified
+# (5.10.0, yanked; 5.10.1 the first served) and the first vLLM with models/gemma4_unified.py and the
+# gemma4_unified_assistant draft in config/speculative.py
+TRANSFORMERS_UNIFIED_TEXT, VLLM_UNIFIED_TEXT = UNIFIED_TRANSFORMERS, "0.23"
+TRANSFORMERS_UNIFIED, VLLM_UNIFIED = version_key(TRANSFORMERS_UNIFIED_TEXT), version_key(VLLM_UNIFIED_TEXT)
+UNKNOWN_MODEL_TYPE = "ValueError"  # transformers' AutoConfig: "... does not recognize this architecture"
+NO_UNIFIED_DRAFT = "NotImplementedError"  # vLLM's SpeculativeConfig: "Unsupported speculative method: 'mtp'"
+FAMILY_FLOORS = (UNKNOWN_MODEL_TYPE, NO_UNIFIED_DRAFT)
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,19 +145,32 @@ def config_form(spec: ModelSpec, *, fused: bool) -> str:
     return FORM_DUAL_KEYS if spec.dual_keys else FORM_FLAT
 
 
-def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verdict:
+def predict(shape: Shape, env: ServingEnv) -> Verdict:
     """The rules (docs/DESIGN.md "What stock vLLM 0.27.0 does", "Zero-cost serving with the dual-keys recipe",
-    "Which vLLM releases have this problem", "vLLM 0.21-0.33 with synthetic 31B-geometry pairs"): what stock vLLM
-    `env.vllm` with transformers `env.transformers` is expected to do with a config of this form. The loader matrix
-    checks every ledger row against them (its `expected` column); `inspect` answers from what was measured (`measured`),
-    and quotes these only as the expectation where nothing was.
-
-    mixed_kv_heads: the KV-head count differs between layer types (31B, 26B-A4B).
+    "Which vLLM releases have this problem", "vLLM 0.21-0.33 with synthetic 31B-geometry pairs", "The 12B family's
+    floors"): what stock vLLM `env.vllm` with transformers `env.transformers` is expected to do with a checkpoint of
+    this shape. The loader matrix checks every ledger row against them (its `expected` column); `inspect` answers from
+    what was measured (`measured`), and quotes these only as the expectation where nothing was.
     """
     vllm = version_key(env.vllm)
-    new_transformers = version_key(env.transformers or "0")[:2] >= TRANSFORMERS_PER_LAYER
     if vllm[:2] < VLLM_FIRST_MTP:
         return Verdict("unknown", None, "vLLM before 0.21 has no Gemma 4 MTP draft (gemma4_mtp.py); not checked")
+    if shape.unified and env.transformers and version_key(env.transformers)[:2] < TRANSFORMERS_UNIFIED:
+        return Verdict("fails", UNKNOWN_MODEL_TYPE, f"transformers<{TRANSFORMERS_UNIFIED_TEXT} does not know model "
+                       "type gemma4_unified (the 12B): vLLM's ModelConfig raises before it reads anything else")
+    verdict = _predict_config(shape.form, env, mixed_kv_heads=shape.kv_heads == KV_MIXED)
+    if shape.unified and vllm[:2] < VLLM_UNIFIED and (verdict.outcome == "loads" or verdict.error == KV_SHARING):
+        return Verdict("fails", NO_UNIFIED_DRAFT, f"vLLM<{VLLM_UNIFIED_TEXT} has no gemma4_unified model and takes no "
+                       "gemma4_unified_assistant draft: its SpeculativeConfig raises \"Unsupported speculative method: "
+                       "'mtp'\"")
+    return verdict
+
+
+def _predict_config(form: str, env: ServingEnv, *, mixed_kv_heads: bool) -> Verdict:
+    """predict's rules for the config form, which every Gemma 4 family shares (mixed_kv_heads: the KV-head count
+    differs between layer types, 31B, 26B-A4B, 12B)."""
+    vllm = version_key(env.vllm)
+    new_transformers = version_key(env.transformers or "0")[:2] >= TRANSFORMERS_PER_LAYER
     if form == FORM_PER_LAYER_CONFIG and not new_transformers:
         # measured with vLLM 0.27.0 and 0.28.0: transformers 5.14's own AutoConfig raises (validate_architecture)
         return Verdict("fails", AMBIGUOUS, f"transformers<{PER_LAYER_TRANSFORMERS} cannot read a config.json holding "
@@ -182,7 +204,7 @@ def predict(form: str, env: ServingEnv, *, mixed_kv_heads: bool = False) -> Verd
 def shape_of(spec: ModelSpec, *, fused: bool) -> Shape:
     """How the ledger matches this checkpoint (advice/evidence.py)."""
     return Shape(config_form(spec, fused=fused), KV_MIXED if spec.attention.mixed_kv_heads else KV_UNIFORM,
-                 spec.attention.kv_geometry)
+                 spec.attention.kv_geometry, spec.unified)
 
 
 def measured(shape: Shape, env: ServingEnv) -> tuple[Verdict, Evidence]:
@@ -200,7 +222,7 @@ def measured(shape: Shape, env: ServingEnv) -> tuple[Verdict, Evidence]:
         return Verdict("fails", _error_of(first.detail), f"measured: {depends}{len(found.failing)} of "
                        f"{_rows_summary(found.rows)} fail, e.g. {first.case} {first.variant} with transformers "
                        f"{first.transformers}: {cause}"), found
-    expected = predict(shape.form, env, mixed_kv_heads=shape.kv_heads == KV_MIXED) if env.transformers else None
+    expected = predict(shape, env) if env.transformers else None
     nearest = "; ".join(describe_rows(found.nearest)) or "none of this form"
     if found.other_geometry:
         nearest = f"no row of this geometry ({describe_kv_geometry(shape.geometry)}); of others: {nearest}"
@@ -316,7 +338,8 @@ def decide(shape: Shape, env: ServingEnv | None) -> Decision:
 
 def _candidates(shape: Shape) -> list[tuple[Layout, Shape]]:
     """Each layout, cheapest first, with the shape its output has."""
-    return [(layout, Shape(*layout.ledger_shape(shape.kv_heads), shape.geometry)) for layout in layouts_in_preference()]
+    return [(layout, Shape(*layout.ledger_shape(shape.kv_heads), shape.geometry, shape.unified))
+            for layout in layouts_in_preference()]
 
 
 def _decide_default(shape: Shape) -> Decision:
@@ -329,7 +352,7 @@ def _decide_default(shape: Shape) -> Decision:
         return Decision(NO_CONVERSION, f"serves as it is with vLLM 0.27 under transformers 5.14 and "
                                        f">={PER_LAYER_TRANSFORMERS} "
                         f"({shape.form})", MEASURED, True, default.name, writes_why)
-    serves, fails = releases_where(after)
+    serves, fails = releases_where(after, rescued_by=candidates[1][1] if fallback else None)
     return Decision(
         default.name, default.advice_why, MEASURED if serves else None, bool(serves), default.name, writes_why,
         alternative=Alternative(fallback.name, _fallback_when(default, (serves, fails))) if fallback else None,
@@ -360,7 +383,9 @@ def _decide_for(shape: Shape, asked: ServingEnv) -> Decision:
     for proven_only in (True, False):
         for i, (layout, after) in enumerate(candidates):
             verdict, _ = measured(after, env) if proven_only else _across_transformers(after, env)
-            if verdict.outcome != "loads":
+            # the release's other transformers do not speak where env's is below a floor of the family
+            floored = not proven_only and env.transformers and predict(after, env).error in FAMILY_FLOORS
+            if verdict.outcome != "loads" or floored:
                 continue
             following = candidates[i + 1][0] if i + 1 < len(candidates) else None
             other_transformers = "" if proven_only else \
@@ -369,12 +394,12 @@ def _decide_for(shape: Shape, asked: ServingEnv) -> Decision:
                 layout.name, f"with {env.label()}{patch} the checkpoint as it is {as_it_is}: {now.detail}; "
                 f"{layout.advice_why} ({verdict.detail})", MEASURED, proven_only, layout.name,
                 _explain(layout, candidates, env) + other_transformers,
-                alternative=Alternative(following.name, _fallback_when(layout, releases_where(after)))
+                alternative=Alternative(following.name, _fallback_when(
+                    layout, releases_where(after, rescued_by=candidates[i + 1][1])))
                 if following else None, **where)
-    predicted = [(layout, [predict(after.form, generation, mixed_kv_heads=after.kv_heads == KV_MIXED)
-                           for generation in _generations(env)]) for layout, after in candidates]
-    as_is = [predict(shape.form, generation, mixed_kv_heads=shape.kv_heads == KV_MIXED) for generation in
-             _generations(env)]
+    predicted = [(layout, [predict(after, generation) for generation in _generations(env)])
+                 for layout, after in candidates]
+    as_is = [predict(shape, generation) for generation in _generations(env)]
     if all(rule.outcome == "loads" for rule in as_is):
         writes = next((layout for layout, rules in predicted if all(r.outcome == "loads" for r in rules)),
                       candidates[0][0])
@@ -392,7 +417,10 @@ def _decide_for(shape: Shape, asked: ServingEnv) -> Decision:
                 f"{layout.name}: predicted from the rules for {env.label()}, not measured ({rules[0].detail}); "
                 "check the output there: make vllm-check", **where)
     default = candidates[0][0]
-    return Decision(None, f"no layout of this tool is proven to serve with {env.label()}{patch}: {now.detail}", None,
+    # a consumer floor no layout can lift (the 12B family's): say it rather than the source's own failure
+    floor = next((rule for _, rules in predicted for rule in rules if rule.error in FAMILY_FLOORS), None)
+    why = f"{floor.detail} (docs/DESIGN.md, \"The 12B family's floors\")" if floor else now.detail
+    return Decision(None, f"no layout of this tool is proven to serve with {env.label()}{patch}: {why}", None,
                     False, default.name, f"{default.name}: the default, {default.cost_note}; no layout of this tool "
                     f"is proven with {env.label()} (check the output there: make vllm-check)", **where)
 
@@ -413,7 +441,7 @@ def _explain(layout: Layout, candidates: list[tuple[Layout, Shape]], env: Servin
     for cheaper, after in candidates[:[c.name for c, _ in candidates].index(layout.name)]:
         verdict, evidence_found = measured(after, env)
         if verdict.outcome == "fails":
-            rule = predict(after.form, env, mixed_kv_heads=after.kv_heads == KV_MIXED)
+            rule = predict(after, env)
             cause = (rule.detail if rule.outcome == "fails" else verdict.detail).split(": ")[0]
             reasons.append(f"{cheaper.name} does not serve with {env.label()}: {cause} (measured: "
                            f"{len(evidence_found.failing)} of {_count(evidence_found.rows)} fail)")
@@ -525,15 +553,26 @@ def _across_transformers(shape: Shape, env: ServingEnv) -> tuple[Verdict, Eviden
     return measured(shape, env)
 
 
-def releases_where(shape: Shape) -> tuple[list[str], list[str]]:
-    """(releases where `shape` loads under every transformers measured, releases where some row fails)."""
-    by_release: dict[str, list] = {}
+def releases_where(shape: Shape, rescued_by: Shape | None = None) -> tuple[list[str], list[str]]:
+    """(releases where `shape` loads under every transformers measured, releases where some row fails); with
+    `rescued_by` (the next layout's output), only the failing releases where that one serves in the same
+    transformers: a floor no layout lifts (the 12B family's) sends no one to the next layout."""
+    def speaks_for(row: LedgerRow, of: Shape) -> bool:
+        return ((row.config_form, row.kv_heads) == (of.form, of.kv_heads) and of.geometry in (None, row_geometry(row))
+                and same_family(row, of))
+
+    by_env: dict[tuple[str, str], list] = {}
+    rescue: dict[tuple[str, str], list] = {}
     for row in serving_rows():
-        if (row.config_form, row.kv_heads) == (shape.form, shape.kv_heads) and \
-                shape.geometry in (None, row_geometry(row)):
-            by_release.setdefault(row.vllm, []).append(row.verdict == PASS)
-    ordered = sorted(by_release, key=version_key)
-    return [v for v in ordered if all(by_release[v])], [v for v in ordered if not all(by_release[v])]
+        if speaks_for(row, shape):
+            by_env.setdefault((row.vllm, row.transformers), []).append(row.verdict == PASS)
+        if rescued_by is not None and speaks_for(row, rescued_by):
+            rescue.setdefault((row.vllm, row.transformers), []).append(row.verdict == PASS)
+    ordered = sorted({vllm for vllm, _ in by_env}, key=version_key)
+    serves = [v for v in ordered if all(all(ok) for (vllm, _), ok in by_env.items() if vllm == v)]
+    failing = [env for env, ok in by_env.items() if not all(ok)
+               and (rescued_by is None or (rescue.get(env) and all(rescue[env])))]
+    return serves, [v for v in ordered if any(vllm == v for vllm, _ in failing)]
 
 
 def _rows_for(shape: Shape, env: ServingEnv) -> Evidence:

