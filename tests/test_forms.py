@@ -145,6 +145,18 @@ def test_convert_quotes_the_refusal_and_prints_no_serve_line(built, run_cli, tmp
     assert SOURCES["31b-w4a16-assistant"].w4a16_assistant
 
 
+@pytest.mark.parametrize("serving", ["vllm==0.21.0", "vllm==0.27.0,transformers==5.8.0"])
+def test_a_12b_pair_below_its_family_floors_gets_no_serve_line(built, run_cli, tmp_path, serving):
+    """vLLM < 0.23 and transformers < 5.10 serve no 12B pair in any layout (measured: the ledger's 0.21.0 and
+    0.27.0 + 5.8.0 rows): convert writes the layout asked for and says why it prints no `vllm serve` line."""
+    pair = built["12b-unified"]["original"]
+    result = run_cli("convert", "--target", pair / "target", "--assistant", pair / "assistant", "--out",
+                     tmp_path / "out", "--layout", "per-layer", "--serving", serving)
+    assert result.code == 0, result.err
+    assert "no serve line: no layout of this tool is proven to serve" in result.out, result.out
+    assert "gemma4_unified" in result.out and "vllm serve" not in result.out, result.out
+
+
 def test_a_bf16_pair_keeps_its_serve_line(built, run_cli, tmp_path):
     pair = built["31b-mm-2shards"]["original"]
     result = run_cli("convert", "--target", pair / "target", "--assistant", pair / "assistant", "--out",

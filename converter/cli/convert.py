@@ -126,6 +126,9 @@ def command(ctx: click.Context, src: str | None, target: str | None, assistant: 
         click.echo(f"no serve line: {refusal}; convert with --dequantize-assistant, or serve the bf16 assistant "
                    "beside the target instead")
         return
+    if ready.request.serving is not None and ready.decision is not None and ready.decision.layout is None:
+        click.echo(f"no serve line: {ready.decision.why}")  # nothing measured or predicted serves there
+        return
     click.echo(_serve_heading(ready))
     if flat_keys_only:
         click.echo(f"  (--flat-keys-only needs transformers<{PER_LAYER_TRANSFORMERS} where vLLM runs: pip install "
