@@ -461,7 +461,7 @@ LLAMACPP_TRANSFORMERS = "4.57.6"  # what its convert_hf_to_gguf.py requirements 
 # pins 5.6.0, which does not) and 0.5.23, each under the transformers it pins. Multimodal loader cases only: SGLang
 # remaps no gemma4_text config (sglang#32231), so a text-only target fails there as published.
 SGLANG_RELEASES = {"0.5.13": "5.8.1", "0.5.23": "5.19.0"}  # release -> the transformers it pins
-SGLANG_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "31b-mm-resaved")
+SGLANG_SOURCES = ("31b-mm-2shards", "26b-a4b-moe", "31b-mm-resaved", "31b-qat-q4_0")
 # (release, case) whose ORIGINAL SGLang cannot load: 0.5.1x read only the flat keys, and a per_layer_config config
 # (what transformers >= 5.15 writes) leaves the full layers at the default head size
 SGLANG_LIMITS = {("0.5.13", "31b-mm-resaved")}
