@@ -57,8 +57,10 @@ FORM_FUSED = "fused-qkv"  # self_attn.qkv_proj tensors: vLLM 0.27 maps split q/k
 # (docs/DESIGN.md "Zero-cost serving with the dual-keys recipe"): every "transformers<X" / ">=X" the tool says is built
 # from it
 PER_LAYER_TRANSFORMERS = "5.15"
-# the first transformers with gemma4_unified, the 12B family (docs/DESIGN.md "The 12B family's floors")
-UNIFIED_TRANSFORMERS = "5.10"
+# the 12B family's floors (docs/DESIGN.md "The 12B family's floors"): the first transformers with gemma4_unified
+# (5.10.0, yanked; 5.10.1 the first served) and the first vLLM with models/gemma4_unified.py and the
+# gemma4_unified_assistant draft in config/speculative.py
+UNIFIED_TRANSFORMERS, UNIFIED_VLLM = "5.10", "0.23"
 FORM_PER_LAYER_CONFIG = "per-layer-config"  # config.json holds per_layer_config (transformers >= PER_LAYER_TRANSFORMERS dialect)
 FORM_HOMOGENEOUS = "homogeneous"  # one head size and KV-head count everywhere
 FORM_DUAL_KEYS = "dual-keys"  # heterogeneous flat keys + the zero-cost dual keys

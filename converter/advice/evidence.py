@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..gemma4 import RELEASED_KV_GEOMETRY, UNIFIED_TRANSFORMERS
+from ..gemma4 import RELEASED_KV_GEOMETRY, UNIFIED_TRANSFORMERS, UNIFIED_VLLM
 from .ledger import CHECK_LOADER, PASS, LedgerRow, load_ledger, version_key
 
 NEAREST_SHOWN = 3
@@ -81,13 +81,24 @@ def row_unified(row: LedgerRow) -> bool:
     return "unified" in row.form
 
 
+FLOOR_TRANSFORMERS, FLOOR_VLLM = "transformers", "vllm"
+
+
+def family_floor(unified: bool, vllm: str, transformers: str | None) -> str | None:
+    """The 12B family's floor an environment sits under (FLOOR_TRANSFORMERS first, as vLLM meets it first), or
+    None: another family, or an environment above both (docs/DESIGN.md "The 12B family's floors")."""
+    if not unified:
+        return None
+    if transformers and version_key(transformers)[:2] < version_key(UNIFIED_TRANSFORMERS)[:2]:
+        return FLOOR_TRANSFORMERS
+    return FLOOR_VLLM if version_key(vllm)[:2] < version_key(UNIFIED_VLLM)[:2] else None
+
+
 def same_family(row: LedgerRow, shape: Shape) -> bool:
     """The row speaks for `shape`'s family: the 12B family's rows only for it and the others' only for theirs, and
-    not its rows below the transformers it needs, which say nothing of a layout (docs/DESIGN.md "The 12B family's
-    floors"; `predict` answers there)."""
-    if row_unified(row) != shape.unified:
-        return False
-    return not shape.unified or version_key(row.transformers)[:2] >= version_key(UNIFIED_TRANSFORMERS)[:2]
+    not its rows below the transformers it needs, which say nothing of a layout (`predict` answers there)."""
+    return row_unified(row) == shape.unified and \
+        family_floor(shape.unified, row.vllm, row.transformers) != FLOOR_TRANSFORMERS
 
 
 def _distance(row: LedgerRow, vllm: str, transformers: str | None) -> tuple:

@@ -20,11 +20,13 @@ from typing import Any
 from ..cost import kv_costs
 from ..errors import UsageError
 from ..gemma4 import (DIALECT_LEGACY, FORM_DUAL_KEYS, FORM_FLAT, FORM_FUSED, FORM_HOMOGENEOUS, FORM_PER_LAYER_CONFIG,
-                      KV_MIXED, KV_UNIFORM, PER_LAYER_TRANSFORMERS, UNIFIED_TRANSFORMERS, ModelSpec,
+                      KV_MIXED, KV_UNIFORM, PER_LAYER_TRANSFORMERS, UNIFIED_TRANSFORMERS, UNIFIED_VLLM,
+                      ModelSpec,
                       describe_kv_geometry)
 from ..layouts import Layout, get_layout, layouts_in_preference
 from .ledger import CHECK_LOADER, PASS, LedgerRow, load_ledger, release_requirements, version_key
-from .evidence import Evidence, Shape, describe_rows, evidence, row_geometry, same_family, serving_rows
+from .evidence import (FLOOR_TRANSFORMERS, FLOOR_VLLM, Evidence, Shape, describe_rows, evidence, family_floor,
+                       row_geometry, same_family, serving_rows)
 
 AMBIGUOUS = "AmbiguousGlobalPerLayerAttributeError"
 
@@ -34,11 +36,6 @@ VLLM_READS_PER_LAYER = (0, 28)  # first vLLM that reads per-layer configs itself
 VLLM_FIRST_MTP = (0, 21)  # first vLLM with gemma4_mtp.py (docs/DESIGN.md "Which vLLM releases have this problem")
 VLLM_DRAFT_KV_HEADS = (0, 23)  # first vLLM whose draft builds full layers with the global KV-head count
 KV_SHARING = "kv_sharing"  # the draft's KV geometry differs from the target layer whose cache it reads
-# the 12B family's floors (docs/DESIGN.md "The 12B family's floors"): the first transformers with gemma4_unified
-# (5.10.0, yanked; 5.10.1 the first served) and the first vLLM with models/gemma4_unified.py and the
-# gemma4_unified_assistant draft in config/speculative.py
-TRANSFORMERS_UNIFIED_TEXT, VLLM_UNIFIED_TEXT = UNIFIED_TRANSFORMERS, "0.23"
-TRANSFORMERS_UNIFIED, VLLM_UNIFIED = version_key(TRANSFORMERS_UNIFIED_TEXT), version_key(VLLM_UNIFIED_TEXT)
 UNKNOWN_MODEL_TYPE = "ValueError"  # transformers' AutoConfig: "... does not recognize this architecture"
 NO_UNIFIED_DRAFT = "NotImplementedError"  # vLLM's SpeculativeConfig: "Unsupported speculative method: 'mtp'"
 FAMILY_FLOORS = (UNKNOWN_MODEL_TYPE, NO_UNIFIED_DRAFT)
@@ -155,12 +152,13 @@ def predict(shape: Shape, env: ServingEnv) -> Verdict:
     vllm = version_key(env.vllm)
     if vllm[:2] < VLLM_FIRST_MTP:
         return Verdict("unknown", None, "vLLM before 0.21 has no Gemma 4 MTP draft (gemma4_mtp.py); not checked")
-    if shape.unified and env.transformers and version_key(env.transformers)[:2] < TRANSFORMERS_UNIFIED:
-        return Verdict("fails", UNKNOWN_MODEL_TYPE, f"transformers<{TRANSFORMERS_UNIFIED_TEXT} does not know model "
+    floor = family_floor(shape.unified, env.vllm, env.transformers)
+    if floor == FLOOR_TRANSFORMERS:
+        return Verdict("fails", UNKNOWN_MODEL_TYPE, f"transformers<{UNIFIED_TRANSFORMERS} does not know model "
                        "type gemma4_unified (the 12B): vLLM's ModelConfig raises before it reads anything else")
     verdict = _predict_config(shape.form, env, mixed_kv_heads=shape.kv_heads == KV_MIXED)
-    if shape.unified and vllm[:2] < VLLM_UNIFIED and (verdict.outcome == "loads" or verdict.error == KV_SHARING):
-        return Verdict("fails", NO_UNIFIED_DRAFT, f"vLLM<{VLLM_UNIFIED_TEXT} has no gemma4_unified model and takes no "
+    if floor == FLOOR_VLLM and (verdict.outcome == "loads" or verdict.error == KV_SHARING):
+        return Verdict("fails", NO_UNIFIED_DRAFT, f"vLLM<{UNIFIED_VLLM} has no gemma4_unified model and takes no "
                        "gemma4_unified_assistant draft: its SpeculativeConfig raises \"Unsupported speculative method: "
                        "'mtp'\"")
     return verdict

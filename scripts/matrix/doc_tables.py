@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from converter.advice.evidence import Shape, row_unified
+from converter.advice.evidence import Shape, family_floor, row_unified
 from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, NOT_RUN,
                                      SCOPE_ASSISTANT, VLLM, LedgerRow, sorted_rows, version_key)
-from converter.advice.serving import NO_CONVERSION, TRANSFORMERS_UNIFIED, VLLM_UNIFIED, ServingEnv, decide
+from converter.advice.serving import NO_CONVERSION, ServingEnv, decide
 from converter.advice.tables import (consumer_table, drafting_text, passed_cell, summarize, variant_cells,
                                      variants)
 from converter.errors import InputError
@@ -46,8 +46,7 @@ def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
 
 
 def _below_family_floor(row: LedgerRow) -> bool:
-    return row_unified(row) and (version_key(row.transformers)[:2] < TRANSFORMERS_UNIFIED
-                                 or version_key(row.vllm)[:2] < VLLM_UNIFIED)
+    return family_floor(row_unified(row), row.vllm, row.transformers) is not None
 
 
 def _failure_stage(row: LedgerRow) -> str:
