@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 """`make compat`: run the whole stock-vLLM matrix and write the compatibility ledger (docs/COMPATIBILITY.md).
 
-Builds (or reuses) every vLLM env named on the command line (scripts/consumers/vllm/envs.sh specs), runs the loader and
-engine tests of every row, the `compat`-marked ones included, with each row recorded (tests/_ledger.py), and, when
-every test passed, writes converter/advice/ledger.json and docs/COMPATIBILITY.md. Incremental by default: a row
-whose output digest and environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
+Builds (or reuses) every vLLM env named on the command line (scripts/consumers/vllm/envs.sh specs), measures every
+stock-loader row itself (scripts/matrix/loader_check.py: cases -> envs -> rows), runs the engine, TP, install and
+consumer tests of every row, the `compat`-marked ones included, with each row recorded (tests/_ledger.py), and, when
+every row showed what it must, writes converter/advice/ledger.json, docs/COMPATIBILITY.md and the README's release
+table. Incremental by default: a row whose output digest and environment equal the committed row's is carried
+over, not re-run (`--all` re-runs all).
 
 usage: scripts/run_ledger.py --docs-only      (run nothing: the docs from the committed ledger)
        scripts/run_ledger.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] [--case NAME ...] [--vllm X]
                          SPEC [SPEC ...]
---check install|consumer|engine|draft: run only that check's tests and replace only its rows (the others stay as the ledger
-has them).
+--check loader|install|consumer|engine|draft: run only that check's rows and replace only its rows (the others stay as
+the ledger has them).
 --case NAME: run only the rows of that case (cases.py SOURCES / ENGINE_SOURCES; repeatable) and replace only its
 rows: a new case joins the ledger without every env of the matrix (SPEC: the envs its rows run in).
 --vllm X: run only the rows of vLLM release X and replace only its rows (`make release VLLM=X`, scripts/release.py).
-exit: 0 ledger written; 1 a test failed or an env could not be built (the ledger is left as it was, and the rows
+exit: 0 ledger written; 1 a row or a test failed or an env could not be built (the ledger is left as it was, and the rows
 that passed are kept in RESUME_FILE for `--resume`); 2 usage.
 """
 
@@ -29,15 +31,19 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, LEDGER_PATH,  # noqa: E402
-                                     ledger_document, load_ledger, row_from_dict)
+from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER,  # noqa: E402
+                                     LEDGER_PATH, LedgerRow, ledger_document, load_ledger)
+from matrix import envs  # noqa: E402
+from matrix.carry import carried_rows, read_rows, unchanged_row  # noqa: E402
+from matrix.cases import LOADER_ROWS, RELEASES, LoaderRow  # noqa: E402
 from matrix.doc_tables import render_markdown, with_release_table  # noqa: E402
-from matrix.cases import RELEASES  # noqa: E402
+from matrix.loader_check import CasePairs, measure_rows  # noqa: E402
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"
 README = REPO / "README.md"
@@ -45,8 +51,12 @@ RESUME_FILE = Path.home() / ".cache" / "gemma4-convert" / "compat-resume.jsonl"
 CONSUMER_TESTS = tuple(f"tests/{p.name}" for p in sorted((REPO / "tests").glob("test_consumer_*.py")))
 TESTS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/test_transformers_pins.py",
          "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", *CONSUMER_TESTS)
+# the loader rows scripts/matrix/loader_check.py measures here; pytest runs that module's other tests
+STOCK_LOADER_TEST = "tests/test_vllm_loader.py::test_stock_vllm_load"
 # --check: the tests that record only that check
-CHECK_TESTS = {CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: CONSUMER_TESTS,
+CHECK_TESTS = {CHECK_LOADER: ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py",
+                              "tests/test_transformers_pins.py", "tests/test_tp_ranks.py"),
+               CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: CONSUMER_TESTS,
                CHECK_ENGINE: ("tests/test_vllm_engine.py",),
                CHECK_DRAFT: ("tests/test_consumer_llamacpp.py", "tests/test_consumer_mlx.py",
                              "tests/test_consumer_sglang.py")}
@@ -67,13 +77,49 @@ def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool,
                GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0",
                GEMMA4_LEDGER_RESUME=str(resume or ""))
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm_loader or vllm_engine",
-           f"--junitxml={junit}", *tests]
+           f"--junitxml={junit}", f"--deselect={STOCK_LOADER_TEST}", *tests]
     # test ids carry the case name and the vLLM release (e.g. test_stock_vllm_load[26b-a4b-qat-q4_0-original-0.27.0-newest])
     keywords = [f"({' or '.join(cases)})"] if cases else []
     keywords += [vllm] if vllm else []
     if keywords:
         cmd += ["-k", " and ".join(keywords)]
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def selected_loader_rows(cases: tuple[str, ...], vllm: str) -> list[LoaderRow]:
+    return [row for row in LOADER_ROWS if (not cases or row.source in cases) and (not vllm or row.vllm == vllm)]
+
+
+def measure_loader_rows(rows: list[LoaderRow], pythons: list[str], work: Path, *, reuse: bool,
+                        resume: Path | None) -> tuple[list[LedgerRow], int]:
+    """The stock-loader rows, measured (or carried over) in the envs `pythons`: (their ledger rows, rows that did not
+    show what they must). A row whose env is not among `pythons` fails, naming the envs.sh spec that builds it."""
+    os.environ[envs.PYTHONS_VAR] = os.pathsep.join(pythons)
+    envs.all_envs.cache_clear()
+    carried = carried_rows(resume) if reuse else ()
+    runnable, failed = [], 0
+    for row in rows:
+        try:
+            envs.find_env(row.package, row.vllm, row.transformers)
+            runnable.append(row)
+        except envs.MissingEnv as missing:
+            print(f"compat: FAILED loader row {row.id}: {missing}", file=sys.stderr)
+            failed += 1
+    recorded, kept = [], 0
+    measured = measure_rows(runnable, lambda row: envs.find_env(row.package, row.vllm, row.transformers),
+                            CasePairs(work / "pairs"), work / "checks",
+                            carried_over=lambda key, digest, torch: unchanged_row(carried, key, digest, torch))
+    for outcome in measured:
+        if outcome.mismatch:
+            print(f"compat: FAILED loader row {outcome.row.id}: {outcome.mismatch[-2000:]}", file=sys.stderr)
+            failed += 1
+        elif outcome.carried is not None:
+            recorded.append(outcome.carried)
+            kept += 1
+        elif outcome.judgement.row is not None:
+            recorded.append(outcome.judgement.row)
+    print(f"compat: {len(rows)} loader rows: {len(recorded) - kept} measured, {kept} carried over, {failed} failed")
+    return recorded, failed
 
 
 def module_seconds(junit: Path) -> dict[str, float]:
@@ -117,21 +163,29 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     pythons, env_seconds = build_envs(args.specs)
+    reuse = not args.all or args.resume is not None
     with tempfile.TemporaryDirectory(prefix="gemma4-compat-") as tmp:
         rows_file, junit = Path(tmp) / "rows.jsonl", Path(tmp) / "junit.xml"
         rows_file.touch()
-        code = run_matrix(pythons, rows_file, junit, reuse=not args.all or args.resume is not None,
-                          resume=args.resume, tests=CHECK_TESTS[args.check] if args.check else TESTS,
-                          cases=tuple(args.case), vllm=args.vllm)
-        lines = [line for line in rows_file.read_text(encoding="utf-8").splitlines() if line.strip()]
-        rows = [row_from_dict(json.loads(line), where=str(rows_file)) for line in lines]
+        loader_rows, loader_failed, loader_seconds = [], 0, 0.0
+        if args.check in (None, CHECK_LOADER):
+            loader_started = time.monotonic()
+            loader_rows, loader_failed = measure_loader_rows(selected_loader_rows(tuple(args.case), args.vllm),
+                                                             pythons, Path(tmp), reuse=reuse, resume=args.resume)
+            loader_seconds = time.monotonic() - loader_started
+        code = run_matrix(pythons, rows_file, junit, reuse=reuse, resume=args.resume,
+                          tests=CHECK_TESTS[args.check] if args.check else TESTS, cases=tuple(args.case),
+                          vllm=args.vllm)
+        code = code or (1 if loader_failed else 0)
+        rows = loader_rows + list(read_rows(rows_file))
+        lines = [json.dumps(asdict(row)) for row in rows]
         if args.check:
             rows = [r for r in load_ledger() if r.check != args.check] + [r for r in rows if r.check == args.check]
         if args.case:
             rows = [r for r in load_ledger() if r.case not in args.case] + [r for r in rows if r.case in args.case]
         if args.vllm:
             rows = [r for r in load_ledger() if r.vllm != args.vllm] + [r for r in rows if r.vllm == args.vllm]
-        modules = module_seconds(junit) if junit.exists() else {}
+        modules = dict(module_seconds(junit) if junit.exists() else {}, loader_check=round(loader_seconds, 1))
     wall = time.monotonic() - started
     if args.timings:
         args.timings.write_text(json.dumps({"envs_s": round(env_seconds, 1), "modules_s": modules,
@@ -139,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         RESUME_FILE.parent.mkdir(parents=True, exist_ok=True)
         RESUME_FILE.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        print(f"compat: the matrix failed (pytest exit {code}); {LEDGER_PATH.relative_to(REPO)} left as it was; the "
+        print(f"compat: the matrix failed (a loader row or pytest, exit {code}); {LEDGER_PATH.relative_to(REPO)} left as it was; the "
               f"{len(rows)} rows that passed are in {RESUME_FILE}: fix, then `make compat COMPAT_ARGS='--resume "
               f"{RESUME_FILE}'` re-runs only the rest", file=sys.stderr)
         return 1

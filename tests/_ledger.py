@@ -1,15 +1,16 @@
-"""Recording ledger rows from the loader and engine tests, for `make compat` (scripts/run_ledger.py).
+"""Recording ledger rows from the engine, install and consumer tests, for `make compat` (scripts/run_ledger.py; the
+loader rows it measures itself, scripts/matrix/loader_check.py).
 
 GEMMA4_LEDGER_ROWS=FILE: every checked row whose test passed is appended to FILE (JSON lines of LedgerRow).
 GEMMA4_LEDGER_REUSE=1: a row whose key, output digest and environment (vLLM, transformers, torch) equal a row of
 the committed ledger is not run again: the test skips, naming the date it was measured, and the row is carried into
-FILE as it was. FILE then holds the whole new ledger.
+FILE as it was (scripts/matrix/carry.py). FILE then holds the whole new ledger.
 Neither is set by `make test` (CI's live subset proves the environment works; the ledger proves the rest).
 """
 
 from __future__ import annotations
 
-import datetime
+import functools
 import json
 import os
 from dataclasses import asdict
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.ledger import LedgerRow, load_ledger, row_from_dict
+from converter.advice.ledger import LedgerRow
+from matrix.carry import carried_rows, today, unchanged_row
+
+__all__ = ["record", "recording", "reusing", "skip_if_all_unchanged", "skip_if_unchanged", "today", "unchanged"]
 
 ROWS_VAR = "GEMMA4_LEDGER_ROWS"
 REUSE_VAR = "GEMMA4_LEDGER_REUSE"
@@ -32,10 +36,6 @@ def reusing() -> bool:
     return os.environ.get(REUSE_VAR) == "1"
 
 
-def today() -> str:
-    return datetime.date.today().isoformat()
-
-
 def record(row: LedgerRow) -> None:
     """Appends the row to GEMMA4_LEDGER_ROWS (no-op when unset)."""
     target = os.environ.get(ROWS_VAR)
@@ -44,22 +44,16 @@ def record(row: LedgerRow) -> None:
             out.write(json.dumps(asdict(row)) + "\n")
 
 
+@functools.lru_cache(maxsize=1)
 def _reusable() -> tuple[LedgerRow, ...]:
-    rows = load_ledger()
     resume = os.environ.get(RESUME_VAR)
-    if resume and Path(resume).is_file():
-        lines = Path(resume).read_text(encoding="utf-8").splitlines()
-        rows += tuple(row_from_dict(json.loads(line), where=resume) for line in lines if line.strip())
-    return rows
+    return carried_rows(Path(resume) if resume else None)
 
 
 def unchanged(key: tuple, digest: str, torch: str) -> LedgerRow | None:
     """The row for this very output and env in the committed ledger (or the resumed rows of an earlier run whose
     tests passed), when GEMMA4_LEDGER_REUSE=1; else None."""
-    if not reusing():
-        return None
-    return next((row for row in _reusable() if row.key == key and row.digest == digest and row.torch == torch),
-                None)
+    return unchanged_row(_reusable(), key, digest, torch) if reusing() else None
 
 
 def skip_if_unchanged(key: tuple, digest: str, torch: str) -> None:

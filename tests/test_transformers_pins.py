@@ -28,7 +28,8 @@ from converter.gemma4 import Role, read_spec
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from matrix.synthetic import tiny_preset, write_pair
 
-from _vllm_envs import VllmEnv, _all_envs, _version_key, missing_env
+from _vllm_envs import VllmEnv, missing_env
+from matrix.envs import all_envs as _all_envs, version_key as _version_key
 
 # needs the vLLM envs of four transformers releases: `make compat` runs it (docs/COMPATIBILITY.md)
 pytestmark = pytest.mark.compat

