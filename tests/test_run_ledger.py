@@ -1,0 +1,66 @@
+"""The ledger runner's pieces (scripts/run_ledger.py, scripts/matrix/loader_check.py), without vLLM: what a run of a
+selection keeps, which rows it selects, and that a row the ledger holds for the same output is carried over without
+starting a checker."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from converter.advice.ledger import CHECK_ENGINE, CHECK_LOADER, load_ledger
+from matrix.cases import LOADER_ROWS
+from matrix.envs import VllmEnv
+from matrix.loader_check import CasePairs, measure_rows, row_key
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run_ledger():
+    spec = importlib.util.spec_from_file_location("run_ledger", REPO / "scripts" / "run_ledger.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_selection_replaces_only_the_groups_it_recorded(run_ledger):
+    base = next(row for row in load_ledger() if row.check == CHECK_LOADER and row.tp == 1)
+    loader = [replace(base, case="a", vllm="0.27.0"), replace(base, case="a", vllm="0.28.0"),
+              replace(base, case="b", vllm="0.27.0")]
+    tp = replace(base, case="a", vllm="0.27.0", tp=2)  # a row the run's selection did not record (the TP test)
+    engine = replace(base, case="a", vllm="0.27.0", check=CHECK_ENGINE)
+    remeasured = replace(loader[0], measured="2099-01-01", transformers="5.99.0")
+    rows = run_ledger.merged((*loader, tp, engine), [remeasured],
+                             lambda row: row.check == CHECK_LOADER and row.vllm == "0.27.0")
+    assert rows == [loader[1], loader[2], tp, engine, remeasured]
+    # a row of the selection's group the run did not produce is dropped (its key is gone from the matrix)
+    assert loader[0] not in rows
+
+
+def test_the_loader_rows_of_a_case_and_release(run_ledger):
+    rows = run_ledger.selected_loader_rows(("31b-mm-2shards",), "0.27.0")
+    assert rows and {(row.source, row.vllm) for row in rows} == {("31b-mm-2shards", "0.27.0")}
+    assert len(run_ledger.selected_loader_rows((), "")) == len(LOADER_ROWS)
+
+
+def test_a_row_the_ledger_holds_is_carried_over_without_a_checker(loader_case, tmp_path):
+    row = next(r for r in LOADER_ROWS if r.ci and r.variant == "per-layer")
+    env = VllmEnv(Path("/no/such/python"), "5.14.1", row.vllm, row.package, "2.13.0")
+    pairs = CasePairs(tmp_path / "pairs", build=lambda name, _folder: loader_case(name))
+    held = next(r for r in load_ledger() if r.check == CHECK_LOADER)
+    asked = []
+
+    def carried_over(key, digest, torch):
+        asked.append((key, digest, torch))
+        return held
+
+    [outcome] = measure_rows([row], lambda _row: env, pairs, tmp_path / "work", carried_over=carried_over)
+    assert outcome.carried is held and outcome.judgement is None and not outcome.mismatch
+    key, digest, torch = asked[0]
+    assert key == row_key(row, env, digest) and len(digest) == 64 and torch == "2.13.0"
+    assert not (tmp_path / "work").exists()  # no checker batch was written
