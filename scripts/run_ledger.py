@@ -39,11 +39,10 @@ sys.path.insert(0, str(REPO))
 
 from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER,  # noqa: E402
                                      LEDGER_PATH, LedgerRow, ledger_document, load_ledger)
-from matrix import envs  # noqa: E402
-from matrix.carry import carried_rows, read_rows, unchanged_row  # noqa: E402
-from matrix.cases import LOADER_ROWS, RELEASES, LoaderRow  # noqa: E402
+from matrix import engine_check, envs, loader_check, transformers_check  # noqa: E402
+from matrix.cases import RELEASES  # noqa: E402
+from matrix.rows import Family, carried_rows, read_rows, unchanged_row  # noqa: E402
 from matrix.doc_tables import render_markdown, with_release_table  # noqa: E402
-from matrix.loader_check import CasePairs, measure_rows  # noqa: E402
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"
 README = REPO / "README.md"
@@ -51,8 +50,8 @@ RESUME_FILE = Path.home() / ".cache" / "gemma4-convert" / "compat-resume.jsonl"
 CONSUMER_TESTS = tuple(f"tests/{p.name}" for p in sorted((REPO / "tests").glob("test_consumer_*.py")))
 TESTS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/test_transformers_pins.py",
          "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", *CONSUMER_TESTS)
-# the loader rows scripts/matrix/loader_check.py measures here; pytest runs that module's other tests
-STOCK_LOADER_TEST = "tests/test_vllm_loader.py::test_stock_vllm_load"
+# the row families the runner measures itself (their live-subset tests are deselected from its pytest pass)
+FAMILIES = (loader_check.FAMILY, engine_check.FAMILY, transformers_check.FAMILY)
 # --check: the tests that record only that check
 CHECK_TESTS = {CHECK_LOADER: ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py",
                               "tests/test_transformers_pins.py", "tests/test_tp_ranks.py"),
@@ -80,7 +79,7 @@ def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool,
                GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0",
                GEMMA4_LEDGER_RESUME=str(resume or ""))
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm_loader or vllm_engine",
-           f"--junitxml={junit}", f"--deselect={STOCK_LOADER_TEST}", *tests]
+           f"--junitxml={junit}", *[f"--deselect={test}" for family in FAMILIES for test in family.tests], *tests]
     # test ids carry the case name and the vLLM release (e.g. test_stock_vllm_load[26b-a4b-qat-q4_0-original-0.27.0-newest])
     keywords = [f"({' or '.join(cases)})"] if cases else []
     keywords += [vllm] if vllm else []
@@ -91,40 +90,31 @@ def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool,
     return 0 if code == PYTEST_NO_TESTS else code
 
 
-def selected_loader_rows(cases: tuple[str, ...], vllm: str) -> list[LoaderRow]:
-    return [row for row in LOADER_ROWS if (not cases or row.source in cases) and (not vllm or row.vllm == vllm)]
-
-
-def measure_loader_rows(rows: list[LoaderRow], pythons: list[str], work: Path, *, reuse: bool,
-                        resume: Path | None) -> tuple[list[LedgerRow], int]:
-    """The stock-loader rows, measured (or carried over) in the envs `pythons`: (their ledger rows, rows that did not
-    show what they must). A row whose env is not among `pythons` fails, naming the envs.sh spec that builds it."""
+def measure_families(families: list[Family], pythons: list[str], work: Path, *, cases: tuple[str, ...], vllm: str,
+                     reuse: bool, resume: Path | None) -> tuple[list[LedgerRow], int, dict[str, float]]:
+    """The rows of every family the runner measures itself, in the envs `pythons`, measured or carried over: (their
+    ledger rows, units that did not show what they must, seconds per family). A unit whose env is not among
+    `pythons` fails, naming the envs.sh spec that builds it."""
     os.environ[envs.PYTHONS_VAR] = os.pathsep.join(pythons)
     envs.all_envs.cache_clear()
     carried = carried_rows(resume) if reuse else ()
-    runnable, failed = [], 0
-    for row in rows:
-        try:
-            envs.find_env(row.package, row.vllm, row.transformers)
-            runnable.append(row)
-        except envs.MissingEnv as missing:
-            print(f"compat: FAILED loader row {row.id}: {missing}", file=sys.stderr)
-            failed += 1
-    recorded, kept = [], 0
-    measured = measure_rows(runnable, lambda row: envs.find_env(row.package, row.vllm, row.transformers),
-                            CasePairs(work / "pairs"), work / "checks",
-                            carried_over=lambda key, digest, torch: unchanged_row(carried, key, digest, torch))
-    for outcome in measured:
-        if outcome.mismatch:
-            print(f"compat: FAILED loader row {outcome.row.id}: {outcome.mismatch[-2000:]}", file=sys.stderr)
-            failed += 1
-        elif outcome.carried is not None:
-            recorded.append(outcome.carried)
-            kept += 1
-        elif outcome.judgement.row is not None:
-            recorded.append(outcome.judgement.row)
-    print(f"compat: {len(rows)} loader rows: {len(recorded) - kept} measured, {kept} carried over, {failed} failed")
-    return recorded, failed
+    recorded, failed, seconds = [], 0, {}
+    for family in families:
+        started, kept, missed, selected = time.monotonic(), 0, 0, family.select(cases, vllm)
+        for outcome in family.measure(selected, work / family.check,
+                                      lambda key, digest, torch: unchanged_row(carried, key, digest, torch)):
+            if outcome.mismatch:
+                print(f"compat: FAILED {family.check} {outcome.name}: {outcome.mismatch[-2000:]}", file=sys.stderr)
+                missed += 1
+                continue
+            recorded += outcome.rows
+            kept += len(outcome.rows) if outcome.carried else 0
+        seconds[family.check] = round(time.monotonic() - started, 1)
+        print(f"compat: {len(selected)} {family.check} units: "
+              f"{sum(r.check == family.check for r in recorded) - kept} rows measured, {kept} carried over, "
+              f"{missed} failed")
+        failed += missed
+    return recorded, failed, seconds
 
 
 def merged(ledger: tuple[LedgerRow, ...], new: list[LedgerRow], selected) -> list[LedgerRow]:
@@ -181,22 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gemma4-compat-") as tmp:
         rows_file, junit = Path(tmp) / "rows.jsonl", Path(tmp) / "junit.xml"
         rows_file.touch()
-        loader_rows, loader_failed, loader_seconds = [], 0, 0.0
-        if args.check in (None, CHECK_LOADER):
-            loader_started = time.monotonic()
-            loader_rows, loader_failed = measure_loader_rows(selected_loader_rows(tuple(args.case), args.vllm),
-                                                             pythons, Path(tmp), reuse=reuse, resume=args.resume)
-            loader_seconds = time.monotonic() - loader_started
+        families = [family for family in FAMILIES if args.check in (None, family.check)]
+        measured, failed, family_seconds = measure_families(families, pythons, Path(tmp), cases=tuple(args.case),
+                                                            vllm=args.vllm, reuse=reuse, resume=args.resume)
         code = run_matrix(pythons, rows_file, junit, reuse=reuse, resume=args.resume,
                           tests=CHECK_TESTS[args.check] if args.check else TESTS, cases=tuple(args.case),
                           vllm=args.vllm)
-        code = code or (1 if loader_failed else 0)
-        rows = loader_rows + list(read_rows(rows_file))
+        code = code or (1 if failed else 0)
+        rows = measured + list(read_rows(rows_file))
         lines = [json.dumps(asdict(row)) for row in rows]
         if args.check or args.case or args.vllm:
             rows = merged(load_ledger(), rows, lambda r: (not args.check or r.check == args.check)
                           and (not args.case or r.case in args.case) and (not args.vllm or r.vllm == args.vllm))
-        modules = dict(module_seconds(junit) if junit.exists() else {}, loader_check=round(loader_seconds, 1))
+        modules = dict(module_seconds(junit) if junit.exists() else {}, **family_seconds)
     wall = time.monotonic() - started
     if args.timings:
         args.timings.write_text(json.dumps({"envs_s": round(env_seconds, 1), "modules_s": modules,

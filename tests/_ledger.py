@@ -4,7 +4,7 @@ loader rows it measures itself, scripts/matrix/loader_check.py).
 GEMMA4_LEDGER_ROWS=FILE: every checked row whose test passed is appended to FILE (JSON lines of LedgerRow).
 GEMMA4_LEDGER_REUSE=1: a row whose key, output digest and environment (vLLM, transformers, torch) equal a row of
 the committed ledger is not run again: the test skips, naming the date it was measured, and the row is carried into
-FILE as it was (scripts/matrix/carry.py). FILE then holds the whole new ledger.
+FILE as it was (scripts/matrix/rows.py). FILE then holds the whole new ledger.
 Neither is set by `make test` (CI's live subset proves the environment works; the ledger proves the rest).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from converter.advice.ledger import LedgerRow
-from matrix.carry import carried_rows, today, unchanged_row
+from matrix.rows import carried_rows, today, unchanged_row
 
 __all__ = ["record", "recording", "reusing", "skip_if_all_unchanged", "skip_if_unchanged", "today", "unchanged"]
 

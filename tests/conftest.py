@@ -118,13 +118,9 @@ def wheel(tmp_path_factory):
 
 def _built_once(build, tmp_path_factory, folder: str):
     """get(NAME) -> build(NAME, a new directory under `folder`), built on the first call only."""
-    built: dict = {}
+    from matrix.cases import BuiltOnce
 
-    def get(name: str):
-        if name not in built:
-            built[name] = build(name, tmp_path_factory.mktemp(folder))
-        return built[name]
-    return get
+    return BuiltOnce(build, tmp_path_factory.mktemp(folder))
 
 
 @pytest.fixture(scope="session")

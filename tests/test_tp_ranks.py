@@ -20,7 +20,7 @@ from converter.advice.ledger import CHECK_LOADER, FAIL, PASS, LedgerRow
 from converter.proof.digest import pair_digest
 from matrix.cases import (ORIGINAL, RANK_ENV, RANK_SOURCES, RANK_TP_SIZES, SOURCES, build_loader_case)
 
-from _edits import swap_kv_heads
+from matrix.edits import swap_kv_heads
 from _ledger import record, recording, skip_if_all_unchanged, today
 from _vllm_envs import VllmEnv, find_env
 

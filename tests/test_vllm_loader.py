@@ -39,7 +39,7 @@ def loader_env(vllm: str, transformers: str, package: str = LOADER_PACKAGE) -> V
 @pytest.fixture(scope="module")
 def pairs(loader_case, tmp_path_factory):
     """The loader cases, built once per session (shared with the SGLang tests, conftest.loader_case)."""
-    return CasePairs(tmp_path_factory.mktemp("loader-pairs"), build=lambda name, _folder: loader_case(name))
+    return CasePairs(tmp_path_factory.mktemp("loader-pairs"), loader_case)
 
 
 @pytest.fixture(scope="module")

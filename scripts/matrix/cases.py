@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Callable
 
 from converter.advice.ledger import ORIGINAL
 from converter.gemma4 import text_config_of
@@ -332,6 +333,21 @@ def convert_pair(src: Path, dst: Path, layout: str, *options: str) -> str:
         raise RuntimeError(f"convert {src} --layout {layout} {' '.join(options)}: {proc.stderr.strip()}")
     lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip().startswith("vllm serve ")]
     return lines[0] if lines else ""
+
+
+class BuiltOnce:
+    """get(name) -> build(name, a new folder under `root`), built on the first call only (the tests' session
+    fixtures and the ledger runner's families share the built cases this way)."""
+
+    def __init__(self, build: Callable[[str, Path], Any], root: Path) -> None:
+        self._build, self._root, self._built = build, root, {}
+
+    def __call__(self, name: str) -> Any:
+        if name not in self._built:
+            folder = self._root / f"{name}-{len(self._built)}"
+            folder.mkdir(parents=True)
+            self._built[name] = self._build(name, folder)
+        return self._built[name]
 
 
 def build_loader_case(name: str, root: Path, *, variants: tuple[str, ...] | None = None) -> dict[str, Path]:

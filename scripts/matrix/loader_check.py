@@ -7,7 +7,7 @@ the row must show: which stage fails with which exception where advice/serving.p
 every loaded tensor equal and the KV-sharing geometry consistent. A row that shows what it must becomes a ledger
 row; one that does not raises RowMismatch with the checker's log.
 
-scripts/run_ledger.py measures every row with `measure_rows`; tests/test_vllm_loader.py runs CI's live subset
+scripts/run_ledger.py measures every row with `measure` (FAMILY); tests/test_vllm_loader.py runs CI's live subset
 (the rows marked ci) through the same functions.
 """
 
@@ -27,25 +27,16 @@ from converter.advice.serving import (AMBIGUOUS, KV_SHARING, NO_UNIFIED_DRAFT, U
 from converter.gemma4 import text_config_of
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
-from matrix.carry import today
-from matrix.cases import (CONVERSIONS, DEQUANTIZE_ASSISTANT, MIXED, ORIGINAL, SOURCES, LoaderRow, Source,
-                          build_loader_case)
-from matrix.envs import VllmEnv
+from matrix.rows import CarriedOver, Family, Measured, RowMismatch, expect, never_carried, today
+from matrix.cases import (CONVERSIONS, DEQUANTIZE_ASSISTANT, LOADER_ROWS, MIXED, ORIGINAL, SOURCES, BuiltOnce,
+                          LoaderRow, Source, build_loader_case)
+from matrix.envs import MissingEnv, VllmEnv, find_env
 from matrix.synthetic import tiny_preset
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKER = REPO / "scripts" / "consumers" / "vllm" / "check.py"
 CHECK_TIMEOUT_S = 600
 XFAIL = "xfail"  # Judgement.outcome of a row that shows what it must, short of the whole pair (q-only synthetic layers)
-
-
-class RowMismatch(Exception):
-    """The checker's result is not what the row must show (the message holds the checker's log tail)."""
-
-
-def expect(condition: bool, message: object = "") -> None:
-    if not condition:
-        raise RowMismatch(str(message))
 
 
 @dataclass(frozen=True)
@@ -62,17 +53,12 @@ class Judgement:
 
 class CasePairs:
     """pair(source, variant) -> directory holding target/ and assistant/: each case written and converted once under
-    `root`; MIXED links the pad-global target beside the original assistant."""
+    `root` (or taken from `variants_of(source)`, the tests' session cases); MIXED links the pad-global target
+    beside the original assistant."""
 
-    def __init__(self, root: Path, build: Callable[[str, Path], dict[str, Path]] = build_loader_case) -> None:
-        self.root, self._build, self._built = root, build, {}
-
-    def variants(self, source: str) -> dict[str, Path]:
-        if source not in self._built:
-            folder = self.root / f"case-{len(self._built)}"
-            folder.mkdir(parents=True)
-            self._built[source] = self._build(source, folder)
-        return self._built[source]
+    def __init__(self, root: Path, variants_of: Callable[[str], dict[str, Path]] | None = None) -> None:
+        self.root = root
+        self.variants = variants_of or BuiltOnce(build_loader_case, root / "cases")
 
     def pair(self, source: str, variant: str) -> Path:
         if variant != MIXED:
@@ -387,29 +373,22 @@ def judge(row: LoaderRow, env: VllmEnv, pair: Path, checked: tuple[int, dict, st
 
 # ------------------------------------------------------------------------------------ the matrix
 
-@dataclass(frozen=True)
-class Measured:
-    """One row's end: its judgement, carried over from `carried` unchanged, or the mismatch it showed."""
-
-    row: LoaderRow
-    judgement: Judgement | None = None
-    carried: LedgerRow | None = None
-    mismatch: str = ""
-
-
 def measure_rows(rows: list[LoaderRow], env_of: Callable[[LoaderRow], VllmEnv], pairs: CasePairs, work: Path, *,
-                 carried_over: Callable[[tuple, str, str], LedgerRow | None] = lambda key, digest, torch: None,
-                 ) -> Iterator[Measured]:
+                 carried_over: CarriedOver = never_carried) -> Iterator[Measured]:
     """Every row measured (or carried over where `carried_over(key, digest, torch)` holds it), the rows of one env
-    and --loaders-only mode in one checker process."""
+    and --loaders-only mode in one checker process. A row whose env is missing (MissingEnv) is a mismatch."""
     pending: dict[tuple[str, bool], list[tuple[LoaderRow, VllmEnv, str]]] = {}
     for row in rows:
-        env = env_of(row)
+        try:
+            env = env_of(row)
+        except MissingEnv as missing:
+            yield Measured(row.id, mismatch=str(missing))
+            continue
         pair = pairs.pair(row.source, row.variant)
         digest = pair_digest_of(pair) if row.variant != MIXED else ""
         kept = carried_over(row_key(row, env, digest), digest, env.torch) if row.variant != MIXED else None
         if kept is not None:
-            yield Measured(row, carried=kept)
+            yield Measured(row.id, (kept,), carried=True)
         else:
             pending.setdefault((row.env_spec, loaders_only(row)), []).append((row, env, digest))
     for batch, entries in enumerate(pending.values()):
@@ -417,9 +396,25 @@ def measure_rows(rows: list[LoaderRow], env_of: Callable[[LoaderRow], VllmEnv], 
         results = run_batch(env, [row for row, _, _ in entries], pairs, work / f"batch-{batch}")
         for row, env, digest in entries:
             if row.id not in results:
-                yield Measured(row, mismatch=f"the batched checker wrote no JSON for {row.id}")
+                yield Measured(row.id, mismatch=f"the batched checker wrote no JSON for {row.id}")
                 continue
             try:
-                yield Measured(row, judge(row, env, pairs.pair(row.source, row.variant), results[row.id], digest))
+                judgement = judge(row, env, pairs.pair(row.source, row.variant), results[row.id], digest)
             except RowMismatch as mismatch:
-                yield Measured(row, mismatch=str(mismatch))
+                yield Measured(row.id, mismatch=str(mismatch))
+                continue
+            yield Measured(row.id, (judgement.row,) if judgement.row else (), note=judgement.reason)
+
+
+def select(cases: tuple[str, ...], vllm: str) -> list[LoaderRow]:
+    """The loader rows of a --case / --vllm selection (all rows without one)."""
+    return [row for row in LOADER_ROWS if (not cases or row.source in cases) and (not vllm or row.vllm == vllm)]
+
+
+def measure(rows: list[LoaderRow], work: Path, carried_over: CarriedOver) -> Iterator[Measured]:
+    """The rows in the envs scripts/matrix/envs.py finds (the runner names them in GEMMA4_VLLM_PYTHONS)."""
+    return measure_rows(rows, lambda row: find_env(row.package, row.vllm, row.transformers), CasePairs(work / "pairs"),
+                        work / "checks", carried_over=carried_over)
+
+
+FAMILY = Family(CHECK_LOADER, ("tests/test_vllm_loader.py::test_stock_vllm_load",), select, measure)
