@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 
 from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER,  # noqa: E402
                                      LEDGER_PATH, LedgerRow, ledger_document, load_ledger)
-from matrix import engine_check, envs, loader_check, transformers_check  # noqa: E402
+from matrix import (engine_check, envs, llamacpp_check, loader_check, mlx_check, rank_check, sglang_check,  # noqa: E402
+                    transformers_check)
 from matrix.cases import RELEASES  # noqa: E402
 from matrix.rows import Family, carried_rows, read_rows, unchanged_row  # noqa: E402
 from matrix.doc_tables import render_markdown, with_release_table  # noqa: E402
@@ -51,7 +52,9 @@ CONSUMER_TESTS = tuple(f"tests/{p.name}" for p in sorted((REPO / "tests").glob("
 TESTS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/test_transformers_pins.py",
          "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", *CONSUMER_TESTS)
 # the row families the runner measures itself (their live-subset tests are deselected from its pytest pass)
-FAMILIES = (loader_check.FAMILY, engine_check.FAMILY, transformers_check.FAMILY)
+FAMILIES = (loader_check.FAMILY, rank_check.FAMILY, engine_check.FAMILY, transformers_check.FAMILY,
+            sglang_check.LOADS, sglang_check.DRAFTS, mlx_check.LOADS, mlx_check.DRAFTS, llamacpp_check.LOADS,
+            llamacpp_check.DRAFTS)
 # --check: the tests that record only that check
 CHECK_TESTS = {CHECK_LOADER: ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py",
                               "tests/test_transformers_pins.py", "tests/test_tp_ranks.py"),
@@ -100,19 +103,19 @@ def measure_families(families: list[Family], pythons: list[str], work: Path, *, 
     carried = carried_rows(resume) if reuse else ()
     recorded, failed, seconds = [], 0, {}
     for family in families:
-        started, kept, missed, selected = time.monotonic(), 0, 0, family.select(cases, vllm)
-        for outcome in family.measure(selected, work / family.check,
+        started, kept, fresh, missed, selected = time.monotonic(), 0, 0, 0, family.select(cases, vllm)
+        for outcome in family.measure(selected, work / family.name.replace(' ', '-'),
                                       lambda key, digest, torch: unchanged_row(carried, key, digest, torch)):
             if outcome.mismatch:
-                print(f"compat: FAILED {family.check} {outcome.name}: {outcome.mismatch[-2000:]}", file=sys.stderr)
+                print(f"compat: FAILED {family.name} {outcome.name}: {outcome.mismatch[-2000:]}", file=sys.stderr)
                 missed += 1
                 continue
             recorded += outcome.rows
             kept += len(outcome.rows) if outcome.carried else 0
-        seconds[family.check] = round(time.monotonic() - started, 1)
-        print(f"compat: {len(selected)} {family.check} units: "
-              f"{sum(r.check == family.check for r in recorded) - kept} rows measured, {kept} carried over, "
-              f"{missed} failed")
+            fresh += 0 if outcome.carried else len(outcome.rows)
+        seconds[family.name] = round(time.monotonic() - started, 1)
+        print(f"compat: {family.name} ({family.check}): {len(selected)} units, {fresh} rows measured, {kept} carried "
+              f"over, {missed} units failed")
         failed += missed
     return recorded, failed, seconds
 
@@ -124,6 +127,13 @@ def merged(ledger: tuple[LedgerRow, ...], new: list[LedgerRow], selected) -> lis
     produced = {(row.case, row.check, row.tp) for row in new if selected(row)}
     kept = [row for row in ledger if not selected(row) or (row.case, row.check, row.tp) not in produced]
     return kept + [row for row in new if selected(row)]
+
+
+def in_ledger_order(rows: list[LedgerRow], ledger: tuple[LedgerRow, ...]) -> list[LedgerRow]:
+    """`rows` in the order the committed ledger holds their keys, new keys after (in the order measured): a run that
+    changes nothing rewrites the ledger and its docs byte for byte."""
+    place = {row.key: index for index, row in enumerate(ledger)}
+    return sorted(rows, key=lambda row: place.get(row.key, len(place)))
 
 
 def module_seconds(junit: Path) -> dict[str, float]:
@@ -183,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.check or args.case or args.vllm:
             rows = merged(load_ledger(), rows, lambda r: (not args.check or r.check == args.check)
                           and (not args.case or r.case in args.case) and (not args.vllm or r.vllm == args.vllm))
+        rows = in_ledger_order(rows, load_ledger())
         modules = dict(module_seconds(junit) if junit.exists() else {}, **family_seconds)
     wall = time.monotonic() - started
     if args.timings:

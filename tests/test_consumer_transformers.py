@@ -10,9 +10,9 @@ import pytest
 
 from converter.advice.ledger import FAIL, PASS
 from matrix.cases import CONSUMER_ROWS, ORIGINAL
-from matrix.rows import RowMismatch
 from matrix.transformers_check import CONSUMER, judge, measure_unit
 
+from _units import measured_live
 from _vllm_envs import find_transformers_env
 
 # None in CI: twice under heavy load (2026-12-02) transformers 5.24.0 gave the E2B reference's float32 logits 0.04
@@ -29,11 +29,7 @@ def _params() -> list:
 @pytest.mark.parametrize("name, transformers", _params())
 def test_transformers_loads_and_generates_like_the_original(engine_case, tmp_path, name, transformers):
     env = find_transformers_env(transformers)
-    try:
-        measured = measure_unit(name, transformers, env, engine_case(name), tmp_path)
-    except RowMismatch as mismatch:
-        pytest.fail(f"{name}-{transformers}: {mismatch}", pytrace=False)
-    assert measured.rows and not measured.mismatch
+    measured_live(measure_unit, name, transformers, env, engine_case(name), tmp_path)
 
 
 def test_the_judge_can_fail():

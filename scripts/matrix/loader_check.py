@@ -417,4 +417,4 @@ def measure(rows: list[LoaderRow], work: Path, carried_over: CarriedOver) -> Ite
                         work / "checks", carried_over=carried_over)
 
 
-FAMILY = Family(CHECK_LOADER, ("tests/test_vllm_loader.py::test_stock_vllm_load",), select, measure)
+FAMILY = Family("stock loader", CHECK_LOADER, ("tests/test_vllm_loader.py::test_stock_vllm_load",), select, measure)

@@ -20,15 +20,14 @@ scripts/run_ledger.py measures every unit (one case under one release: its three
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator
 
 from converter.advice.ledger import CHECK_CONSUMER, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.proof.digest import pair_digest
 from matrix.cases import (CONSUMER_ROWS, ENGINE_SOURCES, ORIGINAL, TRANSFORMERS_FORM_LIMITS, TRANSFORMERS_LIMITS,
-                          BuiltOnce, EnginePair, build_engine_case)
-from matrix.consumer_rows import expect_varied, judge_fails_as_original, max_diff, run_check, surprises, variants
-from matrix.envs import MissingEnv, VllmEnv, find_transformers_env
-from matrix.rows import CarriedOver, Family, Measured, RowMismatch, carried_group, expect, never_carried, today
+                          EnginePair, build_engine_case)
+from matrix.consumer_rows import as_expected, consumer_family, expect_varied, judge_fails_as_original, max_diff, run_check, variants
+from matrix.envs import VllmEnv, find_transformers_env
+from matrix.rows import CarriedOver, Measured, carried_group, expect, never_carried, today
 
 CONSUMER = "transformers"
 FLOOR_FACTOR = 2.0  # pad-global's float32 logits may be this many times the original's own float32 error off float64
@@ -102,30 +101,12 @@ def measure_unit(name: str, transformers: str, env: VllmEnv, pair: EnginePair, w
         expect_varied(ref["greedy"])
         rows = [consumer_row(name, v, env, env.transformers, d, *judge(v, report["pairs"][v], ref))
                 for v, d in digests.items()]
-    unexpected = surprises(rows)
-    expect(not unexpected, unexpected)
-    return Measured(unit, tuple(rows))
+    return as_expected(unit, rows)
 
 
-def select(cases: tuple[str, ...], vllm: str) -> list[tuple[str, str]]:
-    """(case, transformers) units of a --case selection; none under --vllm (the rows name no vLLM release)."""
-    return [] if vllm else [(name, tf) for name, tf in CONSUMER_ROWS if not cases or name in cases]
-
-
-def measure_units(units: list[tuple[str, str]], engine_case: Callable[[str], EnginePair], work: Path,
-                  carried_over: CarriedOver = never_carried) -> Iterator[Measured]:
-    for index, (name, transformers) in enumerate(units):
-        try:
-            env = find_transformers_env(transformers)
-            yield measure_unit(name, transformers, env, engine_case(name), work / f"unit-{index}", carried_over)
-        except (MissingEnv, RowMismatch) as mismatch:
-            yield Measured(f"{name}-{transformers}", mismatch=str(mismatch))
-
-
-def measure(units: list[tuple[str, str]], work: Path, carried_over: CarriedOver) -> Iterator[Measured]:
-    return measure_units(units, BuiltOnce(build_engine_case, work / "cases"), work, carried_over)
-
-
-FAMILY = Family(CHECK_CONSUMER,
-                ("tests/test_consumer_transformers.py::test_transformers_loads_and_generates_like_the_original",),
-                select, measure)
+FAMILY = consumer_family(
+    "transformers", CHECK_CONSUMER,
+    "tests/test_consumer_transformers.py::test_transformers_loads_and_generates_like_the_original",
+    list(CONSUMER_ROWS), build_engine_case,
+    lambda name, tf, pair, work, carried_over: measure_unit(name, tf, find_transformers_env(tf), pair, work,
+                                                            carried_over))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Unpack the GGUF converter of the llama.cpp this env runs (llama-cpp-python's sdist vendors it) into ENV/llama.cpp.
 
-Run by tests/_consumer_envs.py under the env's python once its requirements are installed: the sdist of the
+Run by scripts/matrix/consumer_envs.py under the env's python once its requirements are installed: the sdist of the
 installed llama-cpp-python version, from the package index, gives `convert_hf_to_gguf.py`, its `conversion/`
 package and `gguf-py/` (the converter imports that gguf, not PyPI's).
 
