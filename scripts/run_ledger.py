@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""`make compat`: run the whole stock-vLLM matrix and write the compatibility ledger (docs/COMPATIBILITY.md).
+"""`make compat`: run the whole proof matrix and write the compatibility ledger (docs/COMPATIBILITY.md).
 
-Builds (or reuses) every vLLM env named on the command line (scripts/consumers/vllm/envs.sh specs), measures every
-stock-loader row itself (scripts/matrix/loader_check.py: cases -> envs -> rows), runs the engine, TP, install and
-consumer tests of every row, the `compat`-marked ones included, with each row recorded (tests/_ledger.py), and, when
-every row showed what it must, writes converter/advice/ledger.json, docs/COMPATIBILITY.md and the README's release
-table. Incremental by default: a row whose output digest and environment equal the committed row's is carried
-over, not re-run (`--all` re-runs all).
+cases -> envs -> units -> rows -> ledger.json -> docs tables. Builds (or reuses) every vLLM env named on the command
+line (scripts/consumers/vllm/envs.sh specs); measures every row family itself (FAMILIES, scripts/matrix/*_check.py:
+the stock loader, TP ranks, engine, install, transformers, SGLang, mlx-lm / mlx-vlm, llama.cpp / llama-server: each
+unit built, run in its consumer's env, judged, and carried over unchanged where the ledger holds it); runs the
+controls, which record no row (the negative cases, kernel refusals, `predict` and the pins checked against each
+env: pytest); and, when every unit showed what it must and every control held, writes converter/advice/ledger.json,
+docs/COMPATIBILITY.md and the README's release table. Incremental by default: a row whose output digest and
+environment equal the committed row's is carried over, not re-run (`--all` re-runs all).
 
 usage: scripts/run_ledger.py --docs-only      (run nothing: the docs from the committed ledger)
        scripts/run_ledger.py [--all] [--resume ROWS] [--timings FILE] [--check CHECK] [--case NAME ...] [--vllm X]
@@ -16,7 +18,7 @@ the ledger has them).
 --case NAME: run only the rows of that case (cases.py SOURCES / ENGINE_SOURCES; repeatable) and replace only its
 rows: a new case joins the ledger without every env of the matrix (SPEC: the envs its rows run in).
 --vllm X: run only the rows of vLLM release X and replace only its rows (`make release VLLM=X`, scripts/release.py).
-exit: 0 ledger written; 1 a row or a test failed or an env could not be built (the ledger is left as it was, and the rows
+exit: 0 ledger written; 1 a unit or a control failed or an env could not be built (the ledger is left as it was, and the rows
 that passed are kept in RESUME_FILE for `--resume`); 2 usage.
 """
 
@@ -39,29 +41,31 @@ sys.path.insert(0, str(REPO))
 
 from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER,  # noqa: E402
                                      LEDGER_PATH, LedgerRow, ledger_document, load_ledger)
-from matrix import (engine_check, envs, llamacpp_check, loader_check, mlx_check, rank_check, sglang_check,  # noqa: E402
-                    transformers_check)
+from matrix import (engine_check, envs, install_check, llamacpp_check, loader_check, mlx_check,  # noqa: E402
+                    rank_check, sglang_check, transformers_check)
 from matrix.cases import RELEASES  # noqa: E402
-from matrix.rows import Family, carried_rows, read_rows, unchanged_row  # noqa: E402
+from matrix.rows import Family, carried_rows, unchanged_row  # noqa: E402
 from matrix.doc_tables import render_markdown, with_release_table  # noqa: E402
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"
 README = REPO / "README.md"
 RESUME_FILE = Path.home() / ".cache" / "gemma4-convert" / "compat-resume.jsonl"
+# the row families the runner measures (cases -> envs -> units -> rows); their tests run the same functions by hand
+FAMILIES = (loader_check.FAMILY, rank_check.FAMILY, engine_check.FAMILY, install_check.FAMILY,
+            transformers_check.FAMILY, sglang_check.LOADS, sglang_check.DRAFTS, mlx_check.LOADS, mlx_check.DRAFTS,
+            llamacpp_check.LOADS, llamacpp_check.DRAFTS)
+# The controls, which record no row and gate the ledger: the negative cases every check must fail (a padded target
+# beside an unpadded assistant, swapped KV heads or experts), the stock kernel refusals, and the rules of `predict`
+# and the transformers pins checked against each env (pytest, marker vllm_loader or vllm_engine). --check: its own.
 CONSUMER_TESTS = tuple(f"tests/{p.name}" for p in sorted((REPO / "tests").glob("test_consumer_*.py")))
-TESTS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/test_transformers_pins.py",
-         "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", *CONSUMER_TESTS)
-# the row families the runner measures itself (their live-subset tests are deselected from its pytest pass)
-FAMILIES = (loader_check.FAMILY, rank_check.FAMILY, engine_check.FAMILY, transformers_check.FAMILY,
-            sglang_check.LOADS, sglang_check.DRAFTS, mlx_check.LOADS, mlx_check.DRAFTS, llamacpp_check.LOADS,
-            llamacpp_check.DRAFTS)
-# --check: the tests that record only that check
-CHECK_TESTS = {CHECK_LOADER: ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py",
-                              "tests/test_transformers_pins.py", "tests/test_tp_ranks.py"),
-               CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: CONSUMER_TESTS,
-               CHECK_ENGINE: ("tests/test_vllm_engine.py",),
-               CHECK_DRAFT: ("tests/test_consumer_llamacpp.py", "tests/test_consumer_mlx.py",
-                             "tests/test_consumer_sglang.py")}
+CONTROLS = ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py", "tests/test_transformers_pins.py",
+            "tests/test_vllm_engine.py", "tests/test_tp_ranks.py", "tests/test_install.py", *CONSUMER_TESTS)
+CHECK_CONTROLS = {CHECK_LOADER: ("tests/test_vllm_loader.py", "tests/test_vllm_predictions.py",
+                                 "tests/test_transformers_pins.py", "tests/test_tp_ranks.py"),
+                  CHECK_INSTALL: ("tests/test_install.py",), CHECK_CONSUMER: CONSUMER_TESTS,
+                  CHECK_ENGINE: ("tests/test_vllm_engine.py",),
+                  CHECK_DRAFT: ("tests/test_consumer_llamacpp.py", "tests/test_consumer_mlx.py",
+                                "tests/test_consumer_sglang.py")}
 
 
 def build_envs(specs: list[str]) -> tuple[list[str], float]:
@@ -76,21 +80,19 @@ def build_envs(specs: list[str]) -> tuple[list[str], float]:
 PYTEST_NO_TESTS = 5
 
 
-def run_matrix(pythons: list[str], rows_file: Path, junit: Path, *, reuse: bool, resume: Path | None,
-               tests: tuple[str, ...] = TESTS, cases: tuple[str, ...] = (), vllm: str = "") -> int:
-    env = dict(os.environ, GEMMA4_VLLM_PYTHONS=os.pathsep.join(pythons), GEMMA4_REQUIRE_VLLM="1",
-               GEMMA4_LEDGER_ROWS=str(rows_file), GEMMA4_LEDGER_REUSE="1" if reuse else "0",
-               GEMMA4_LEDGER_RESUME=str(resume or ""))
+def run_controls(pythons: list[str], junit: Path, *, tests: tuple[str, ...] = CONTROLS, cases: tuple[str, ...] = (),
+                 vllm: str = "") -> int:
+    """pytest's exit code over the controls of the selection, in the envs `pythons` (a missing env fails)."""
+    env = dict(os.environ, GEMMA4_VLLM_PYTHONS=os.pathsep.join(pythons), GEMMA4_REQUIRE_VLLM="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "vllm_loader or vllm_engine",
            f"--junitxml={junit}", *[f"--deselect={test}" for family in FAMILIES for test in family.tests], *tests]
-    # test ids carry the case name and the vLLM release (e.g. test_stock_vllm_load[26b-a4b-qat-q4_0-original-0.27.0-newest])
+    # test ids carry the case name and the vLLM release (e.g. test_stock_kernel_selection_refuses_on_this_cpu[31b-fp8])
     keywords = [f"({' or '.join(cases)})"] if cases else []
     keywords += [vllm] if vllm else []
     if keywords:
         cmd += ["-k", " and ".join(keywords)]
     code = subprocess.run(cmd, cwd=REPO, env=env).returncode
-    # 5: no test selected (a --case/--vllm whose rows are all loader rows, measured by the runner itself)
-    return 0 if code == PYTEST_NO_TESTS else code
+    return 0 if code == PYTEST_NO_TESTS else code  # 5: the selection holds no control
 
 
 def measure_families(families: list[Family], pythons: list[str], work: Path, *, cases: tuple[str, ...], vllm: str,
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", type=Path, metavar="ROWS",
                         help=f"carry over the passed rows of an earlier failed run (it saves them in {RESUME_FILE})")
     parser.add_argument("--timings", type=Path, help="write env build and per-module seconds to this JSON file")
-    parser.add_argument("--check", choices=sorted(CHECK_TESTS),
+    parser.add_argument("--check", choices=sorted(CHECK_CONTROLS),
                         help="run only this check's tests; the ledger's other rows are kept as they are")
     parser.add_argument("--case", action="append", default=[], metavar="NAME",
                         help="run only this case's rows (repeatable); the ledger's other rows are kept as they are")
@@ -179,16 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     pythons, env_seconds = build_envs(args.specs)
     reuse = not args.all or args.resume is not None
     with tempfile.TemporaryDirectory(prefix="gemma4-compat-") as tmp:
-        rows_file, junit = Path(tmp) / "rows.jsonl", Path(tmp) / "junit.xml"
-        rows_file.touch()
+        junit = Path(tmp) / "junit.xml"
         families = [family for family in FAMILIES if args.check in (None, family.check)]
         measured, failed, family_seconds = measure_families(families, pythons, Path(tmp), cases=tuple(args.case),
                                                             vllm=args.vllm, reuse=reuse, resume=args.resume)
-        code = run_matrix(pythons, rows_file, junit, reuse=reuse, resume=args.resume,
-                          tests=CHECK_TESTS[args.check] if args.check else TESTS, cases=tuple(args.case),
-                          vllm=args.vllm)
+        code = run_controls(pythons, junit, tests=CHECK_CONTROLS[args.check] if args.check else CONTROLS,
+                            cases=tuple(args.case), vllm=args.vllm)
         code = code or (1 if failed else 0)
-        rows = measured + list(read_rows(rows_file))
+        rows = measured
         lines = [json.dumps(asdict(row)) for row in rows]
         if args.check or args.case or args.vllm:
             rows = merged(load_ledger(), rows, lambda r: (not args.check or r.check == args.check)
@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         RESUME_FILE.parent.mkdir(parents=True, exist_ok=True)
         RESUME_FILE.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        print(f"compat: the matrix failed (a loader row or pytest, exit {code}); {LEDGER_PATH.relative_to(REPO)} left as it was; the "
-              f"{len(rows)} rows that passed are in {RESUME_FILE}: fix, then `make compat COMPAT_ARGS='--resume "
-              f"{RESUME_FILE}'` re-runs only the rest", file=sys.stderr)
+        print(f"compat: the matrix failed (a unit or a control, exit {code}); {LEDGER_PATH.relative_to(REPO)} left as "
+              f"it was; the {len(lines)} rows that passed are in {RESUME_FILE}: fix, then `make compat "
+              f"COMPAT_ARGS='--resume {RESUME_FILE}'` re-runs only the rest", file=sys.stderr)
         return 1
     releases = {release.vllm: release.transformers_range for release in RELEASES if release.transformers_range}
     LEDGER_PATH.write_text(json.dumps(ledger_document(rows, releases), indent=1) + "\n", encoding="utf-8")

