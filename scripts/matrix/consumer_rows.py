@@ -18,7 +18,7 @@ from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, 
 from converter.proof.digest import pair_digest
 from matrix.cases import DRAFT_CONTROLS, ENGINE_SOURCES, ORIGINAL, BuiltOnce, EnginePair
 from matrix.envs import MissingEnv
-from matrix.rows import CarriedOver, Family, Measured, RowMismatch, expect, today
+from matrix.rows import CarriedOver, Family, Measured, RowMismatch, carried_group, expect, today
 
 CONSUMERS = Path(__file__).resolve().parents[1] / "consumers"
 CHECK_TIMEOUT_S = 1800
@@ -90,6 +90,18 @@ def as_expected(unit: str, rows: list[LedgerRow]) -> Measured:
     unexpected = surprises(rows)
     expect(not unexpected, unexpected)
     return Measured(unit, tuple(rows))
+
+
+def carried_or_report(unit: str, rows: list[LedgerRow], carried_over: CarriedOver, python: Callable[[], Path],
+                      consumer: str, reference: Path, pairs: dict[str, Path], work: Path, program: str = "check.py"
+                      ) -> tuple[Measured | None, dict]:
+    """(the unit carried over, {}) where the ledger holds every one of `rows` for these very outputs; else (None, the
+    report of the consumer's `program` run under python(), its env built only now)."""
+    kept = carried_group(rows, carried_over)
+    if kept is not None:
+        return Measured(unit, kept, carried=True), {}
+    work.mkdir(parents=True, exist_ok=True)
+    return None, run_check(python(), consumer, reference, pairs, work / "report.json", program)
 
 
 def run_check(python: Path, consumer: str, reference: Path, pairs: dict[str, Path], out: Path,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from functools import partial
 from pathlib import Path
 
 from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, PASS, LedgerRow
@@ -29,9 +30,9 @@ from converter.proof.digest import pair_digest
 from matrix.cases import (DRAFT_CONTROLS, LLAMACPP, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS, ORIGINAL, EnginePair,
                           build_engine_case, draft_control_pairs)
 from matrix.consumer_envs import consumer_python
-from matrix.consumer_rows import (AS_RESAVED, CONSUMERS, SAME_TENSORS, as_expected, consumer_family, draft_distance,
-                                  engine_case_row, engine_draft_row, expect_varied, max_diff, run_check,
-                                  variants_and_digests)
+from matrix.consumer_rows import (AS_RESAVED, CONSUMERS, SAME_TENSORS, as_expected, carried_or_report,
+                                  consumer_family, draft_distance, engine_case_row, engine_draft_row, expect_varied,
+                                  max_diff, variants_and_digests)
 from matrix.rows import CarriedOver, Measured, carried_group, expect, never_carried
 
 CONSUMER = "llama.cpp"
@@ -77,19 +78,18 @@ def judge(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
     return (FAIL if problems else PASS), "; ".join(problems), figures
 
 
-def llamacpp_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: str = "",
-                 figures: dict | None = None) -> LedgerRow:
-    return engine_case_row(CONSUMER, LLAMACPP, LLAMACPP_TRANSFORMERS, name, variant, digest, verdict, detail, figures)
+# llamacpp_row(name, variant, digest, verdict=PASS, detail="", figures=None): a consumer row of llama.cpp
+llamacpp_row = partial(engine_case_row, CONSUMER, LLAMACPP, LLAMACPP_TRANSFORMERS)
 
 
 def measure_loads(name: str, pair: EnginePair, work: Path, carried_over: CarriedOver = never_carried) -> Measured:
     """llama.cpp converts the original and both layouts of engine case `name` to GGUF and generates its tokens."""
     pairs, digests = variants_and_digests(pair)
-    kept = carried_group([llamacpp_row(name, v, d) for v, d in digests.items()], carried_over)
+    kept, report = carried_or_report(f"llama.cpp-{name}", [llamacpp_row(name, v, d) for v, d in digests.items()],
+                                     carried_over, lambda: consumer_python("llamacpp"), "llamacpp", pair.reference,
+                                     pairs, work)
     if kept is not None:
-        return Measured(f"llama.cpp-{name}", kept, carried=True)
-    work.mkdir(parents=True, exist_ok=True)
-    report = run_check(consumer_python("llamacpp"), "llamacpp", pair.reference, pairs, work / "report.json")
+        return kept
     expect(report["llama_cpp_python"] == LLAMACPP.split()[0] and report["transformers"] == LLAMACPP_TRANSFORMERS,
            report)
     ref = report["pairs"]["reference"]

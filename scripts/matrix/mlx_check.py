@@ -13,6 +13,7 @@ judges. CI checks the rows' digests (tests/test_ledger.py).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
@@ -21,10 +22,10 @@ from matrix.cases import (DRAFT_CONTROLS, MLX_DRAFT_SOURCES, MLX_DRAFTING_SOURCE
                           MLX_TRANSFORMERS, MLX_VLM, MLX_VLM_TRANSFORMERS, ORIGINAL, EnginePair, build_engine_case,
                           draft_control_pairs)
 from matrix.consumer_envs import consumer_python
-from matrix.consumer_rows import (AS_RESAVED, SAME_TENSORS, as_expected, consumer_family, draft_distance,
-                                  engine_case_row, engine_draft_row, expect_varied, judge_fails_as_original, max_diff,
-                                  run_check, variants_and_digests)
-from matrix.rows import CarriedOver, Measured, carried_group, expect, never_carried
+from matrix.consumer_rows import (AS_RESAVED, SAME_TENSORS, as_expected, carried_or_report, consumer_family,
+                                  draft_distance, engine_case_row, engine_draft_row, expect_varied,
+                                  judge_fails_as_original, max_diff, variants_and_digests)
+from matrix.rows import CarriedOver, Measured, expect, never_carried
 
 MLX = "mlx-lm"
 
@@ -43,19 +44,17 @@ def judge_mlx(variant: str, got: dict, ref: dict) -> tuple[str, str, dict]:
     return (FAIL if problems else PASS), "; ".join(problems), figures
 
 
-def mlx_row(name: str, variant: str, digest: str, verdict: str = PASS, detail: str = "",
-            figures: dict | None = None) -> LedgerRow:
-    return engine_case_row(MLX, MLX_LM, MLX_TRANSFORMERS, name, variant, digest, verdict, detail, figures)
+# mlx_row(name, variant, digest, verdict=PASS, detail="", figures=None): a consumer row of mlx-lm on an engine case
+mlx_row = partial(engine_case_row, MLX, MLX_LM, MLX_TRANSFORMERS)
 
 
 def measure_loads(name: str, pair: EnginePair, work: Path, carried_over: CarriedOver = never_carried) -> Measured:
     """mlx-lm loads the original and both layouts of engine case `name` and generates the original's tokens."""
     pairs, digests = variants_and_digests(pair)
-    kept = carried_group([mlx_row(name, v, d) for v, d in digests.items()], carried_over)
+    kept, report = carried_or_report(f"mlx-lm-{name}", [mlx_row(name, v, d) for v, d in digests.items()], carried_over,
+                                     lambda: consumer_python("mlx"), "mlx", pair.reference, pairs, work)
     if kept is not None:
-        return Measured(f"mlx-lm-{name}", kept, carried=True)
-    work.mkdir(parents=True, exist_ok=True)
-    report = run_check(consumer_python("mlx"), "mlx", pair.reference, pairs, work / "report.json")
+        return kept
     expect(report["mlx_lm"] == MLX_LM and report["transformers"] == MLX_TRANSFORMERS, report)
     expect(report["device"].startswith("Device(cpu"), report["device"])
     ref = report["pairs"]["reference"]
@@ -126,12 +125,11 @@ def measure_drafts(name: str, pair: EnginePair, work: Path, carried_over: Carrie
     if name in MLX_DRAFTING_SOURCES:
         runs.update(draft_control_pairs(pair, work / "controls"))
         digests.update({c: pair_digest(runs[c] / "target", runs[c] / "assistant") for c in DRAFT_CONTROLS})
-    kept = carried_group([mlx_draft_row(name, v, d) for v, d in digests.items()], carried_over)
+    kept, report = carried_or_report(unit, [mlx_draft_row(name, v, d) for v, d in digests.items()], carried_over,
+                                     lambda: consumer_python("mlxvlm"), "mlxvlm", pair.reference,
+                                     {v: p for v, p in runs.items() if v != ORIGINAL}, work, program="draft.py")
     if kept is not None:
-        return Measured(unit, kept, carried=True)
-    work.mkdir(parents=True, exist_ok=True)
-    report = run_check(consumer_python("mlxvlm"), "mlxvlm", pair.reference,
-                       {v: p for v, p in runs.items() if v != ORIGINAL}, work / "report.json", program="draft.py")
+        return kept
     expect(report["mlx_vlm"] == MLX_VLM and report["device"].startswith("Device(cpu"), report)
     ref = report["pairs"]["reference"]
     expect(ref["plain"].get("tokens"), ref)

@@ -28,8 +28,8 @@ from converter.proof.digest import pair_digest
 from matrix.cases import (ORIGINAL, SGLANG_DRAFT_SOURCES, SGLANG_LIMITS, SGLANG_RELEASES, SGLANG_SOURCES, SOURCES,
                           build_loader_case)
 from matrix.consumer_envs import consumer_python
-from matrix.consumer_rows import as_expected, consumer_family, judge_fails_as_original, run_check
-from matrix.rows import CarriedOver, Measured, carried_group, expect, never_carried, today
+from matrix.consumer_rows import as_expected, carried_or_report, consumer_family, judge_fails_as_original
+from matrix.rows import CarriedOver, Measured, expect, never_carried, today
 
 CONSUMER = "sglang"
 VARIANTS = (ORIGINAL, "per-layer", "pad-global")
@@ -85,15 +85,15 @@ def measure_loads(name: str, release: str, variants: dict[str, Path], work: Path
     unpadded assistant must fail its KV geometry."""
     unit, pairs = f"loads-{name}-{release}", _pairs(variants)
     digests = {v: pair_digest(d / "target", d / "assistant") for v, d in pairs.items()}
-    kept = carried_group([sglang_row(name, v, release, d) for v, d in digests.items()], carried_over)
-    if kept is not None:
-        return Measured(unit, kept, carried=True)
     mixed = work / "mixed"  # the negative control: a padded target beside an unpadded assistant (per-layer's:
     mixed.mkdir(parents=True)  # the original's geometry, in the form every release reads)
     (mixed / "target").symlink_to(pairs["pad-global"] / "target")
     (mixed / "assistant").symlink_to(pairs["per-layer"] / "assistant")
-    report = run_check(consumer_python(CONSUMER, release), CONSUMER, pairs[ORIGINAL],
-                       {**{v: d for v, d in pairs.items() if v != ORIGINAL}, "mixed": mixed}, work / "report.json")
+    kept, report = carried_or_report(unit, [sglang_row(name, v, release, d) for v, d in digests.items()], carried_over,
+                                     lambda: consumer_python(CONSUMER, release), CONSUMER, pairs[ORIGINAL],
+                                     {**{v: d for v, d in pairs.items() if v != ORIGINAL}, "mixed": mixed}, work)
+    if kept is not None:
+        return kept
     expect(report["sglang"] == release and report["transformers"] == SGLANG_RELEASES[release], report)
     expect(report["torch"].endswith("+cpu"), report["torch"])
     results = {ORIGINAL: report["pairs"]["reference"], **{v: report["pairs"][v] for v in pairs if v != ORIGINAL}}
@@ -108,13 +108,12 @@ def measure_drafts(name: str, release: str, variants: dict[str, Path], work: Pat
     layout's row says so with the error measured, and fails exactly as the original does."""
     unit, pairs = f"drafts-{name}-{release}", _pairs(variants)
     digests = {v: pair_digest(d / "target", d / "assistant") for v, d in pairs.items()}
-    kept = carried_group([sglang_row(name, v, release, d, NOT_RUN, check=CHECK_DRAFT) for v, d in digests.items()],
-                         carried_over)
+    kept, report = carried_or_report(unit, [sglang_row(name, v, release, d, NOT_RUN, check=CHECK_DRAFT)
+                                            for v, d in digests.items()], carried_over,
+                                     lambda: consumer_python(CONSUMER, release), CONSUMER, pairs[ORIGINAL],
+                                     {v: d for v, d in pairs.items() if v != ORIGINAL}, work, program="draft.py")
     if kept is not None:
-        return Measured(unit, kept, carried=True)
-    work.mkdir(parents=True, exist_ok=True)
-    report = run_check(consumer_python(CONSUMER, release), CONSUMER, pairs[ORIGINAL],
-                       {v: d for v, d in pairs.items() if v != ORIGINAL}, work / "report.json", program="draft.py")
+        return kept
     expect(report["sglang"] == release and report["torch"].endswith("+cpu"), report)
     ref = report["pairs"]["reference"]
     expect(set(ref) == set(report["attempts"]), ref)

@@ -25,9 +25,10 @@ from converter.advice.ledger import CHECK_CONSUMER, FAIL, NOT_RUN, PASS, LedgerR
 from converter.proof.digest import pair_digest
 from matrix.cases import (CONSUMER_ROWS, ENGINE_SOURCES, ORIGINAL, TRANSFORMERS_FORM_LIMITS, TRANSFORMERS_LIMITS,
                           EnginePair, build_engine_case)
-from matrix.consumer_rows import as_expected, consumer_family, expect_varied, judge_fails_as_original, max_diff, run_check, variants
+from matrix.consumer_rows import (as_expected, carried_or_report, consumer_family, expect_varied,
+                                  judge_fails_as_original, max_diff, variants)
 from matrix.envs import VllmEnv, find_transformers_env
-from matrix.rows import CarriedOver, Measured, carried_group, expect, never_carried, today
+from matrix.rows import CarriedOver, Measured, expect, never_carried, today
 
 CONSUMER = "transformers"
 FLOOR_FACTOR = 2.0  # pad-global's float32 logits may be this many times the original's own float32 error off float64
@@ -83,11 +84,10 @@ def measure_unit(name: str, transformers: str, env: VllmEnv, pair: EnginePair, w
     unit = f"{name}-{transformers}"
     pairs = variants(pair)
     digests = {v: pair_digest(p / "target", p / "assistant") for v, p in pairs.items()}
-    kept = carried_group([consumer_row(name, v, env, env.transformers, d) for v, d in digests.items()], carried_over)
+    kept, report = carried_or_report(unit, [consumer_row(name, v, env, env.transformers, d) for v, d in digests.items()],
+                                     carried_over, lambda: env.python, CONSUMER, pair.reference, pairs, work)
     if kept is not None:
-        return Measured(unit, kept, carried=True)
-    work.mkdir(parents=True, exist_ok=True)
-    report = run_check(env.python, CONSUMER, pair.reference, pairs, work / "report.json")
+        return kept
     expect(report["transformers"] == env.transformers, report["transformers"])
     ref = report["pairs"]["reference"]
     limit = TRANSFORMERS_FORM_LIMITS.get((name, transformers))
