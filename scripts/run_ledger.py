@@ -40,10 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER,  # noqa: E402
-                                     LEDGER_PATH, LedgerRow, ledger_document, load_ledger)
+                                     LEDGER_PATH, LedgerRow, load_ledger)
 from matrix import (engine_check, envs, install_check, llamacpp_check, loader_check, mlx_check,  # noqa: E402
                     rank_check, sglang_check, transformers_check)
 from matrix.cases import RELEASES  # noqa: E402
+from matrix.ledger_file import ledger_document  # noqa: E402
 from matrix.rows import Family, carried_rows, unchanged_row  # noqa: E402
 from matrix.doc_tables import render_markdown, with_release_table  # noqa: E402
 

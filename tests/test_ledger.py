@@ -16,9 +16,10 @@ import pytest
 
 from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, FAIL,
                                      INSTALL_CASE, INSTALL_LAYOUT, LEDGER_PATH, NOT_RUN, PASS, VLLM, LedgerRow,
-                                     load_ledger, stale_rows, version_key)
+                                     load_ledger, version_key)
 from converter.advice.tables import render_table
 from matrix.doc_tables import render_markdown, with_release_table
+from matrix.ledger_file import stale_rows
 from converter.advice.ledger import SCOPE_ASSISTANT
 from converter.proof.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint

@@ -9,12 +9,13 @@ from typing import Any, Iterable
 
 from converter.advice.evidence import Shape, family_floor, row_unified
 from converter.advice.ledger import (CHECK_CONSUMER, CHECK_DRAFT, CHECK_ENGINE, CHECK_INSTALL, CHECK_LOADER, NOT_RUN,
-                                     SCOPE_ASSISTANT, VLLM, LedgerRow, sorted_rows, version_key)
+                                     SCOPE_ASSISTANT, VLLM, LedgerRow, version_key)
 from converter.advice.serving import NO_CONVERSION, ServingEnv, decide
 from converter.advice.tables import (consumer_table, drafting_text, passed_cell, summarize, variant_cells,
                                      variants)
 from converter.errors import InputError
 from converter.gemma4 import FORM_FLAT, KV_MIXED, KV_UNIFORM
+from matrix.ledger_file import sorted_rows
 
 
 def release_table(rows: Iterable[LedgerRow]) -> list[dict[str, Any]]:
