@@ -21,7 +21,7 @@ from converter.advice.tables import render_table
 from matrix.doc_tables import render_markdown, with_release_table
 from matrix.ledger_file import stale_rows
 from converter.advice.ledger import SCOPE_ASSISTANT
-from converter.proof.digest import pair_digest
+from matrix.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
 from matrix.cases import (CONSUMER_ROWS, CONVERSIONS, DEQUANTIZE_ASSISTANT,
                                      DEQUANTIZED_ENGINE_CASE, DRAFT_CONTROLS,

@@ -15,7 +15,7 @@ import pytest
 from converter.advice.serving import releases_where, shape_of
 from converter.hub.card import RESAVE_NOTE, render_card
 from converter.pipeline import ConvertRequest, execute, plan_conversion
-from converter.proof.digest import tensor_digests
+from matrix.digest import tensor_digests
 from converter.read.checkpoint import MANIFEST_NAME, read_checkpoint
 from matrix.resave import resave_config
 from matrix.synthetic import tiny_preset, write_pair

@@ -2,7 +2,7 @@
 
 `make compat` (scripts/run_ledger.py) runs the stock vLLM loader and engine on every case of scripts/matrix/cases.py
 and writes ledger.json beside this module; it is the one source of truth the `compat` verb prints, the model card
-quotes and `inspect`'s advice reads. Each row carries the digest of the output it proved (proof/digest.py): CI
+quotes and `inspect`'s advice reads. Each row carries the digest of the output it proved (scripts/matrix/digest.py): CI
 rebuilds every case and refuses a ledger whose digests no longer match (tests/test_ledger.py).
 """
 
@@ -53,7 +53,7 @@ class LedgerRow:
     check: str  # CHECK_LOADER or CHECK_ENGINE
     verdict: str  # PASS or FAIL: what the real vLLM did
     expected: str  # PASS or FAIL: what the converter's own prediction said it would do
-    digest: str  # proof/digest.py pair_digest of what was checked
+    digest: str  # scripts/matrix/digest.py pair_digest of what was checked
     measured: str  # YYYY-MM-DD
     options: str = ""  # conversion options beyond the layout (e.g. "--flat-keys-only")
     tp: int = 1

@@ -258,7 +258,7 @@ def hashing_ahead(files: dict[Path, int], stack, *, threads: int) -> dict[Path, 
 class MappedFile:
     """A read-only mapping of one file whose ranges are handed out as memoryviews, a block at a time, with no copy.
 
-    For comparing and hashing bytes (verify, proof/digest): pread would copy every byte once more. Each handed-out block is
+    For comparing and hashing bytes (verify, the ledger digests): pread would copy every byte once more. Each handed-out block is
     unmapped again after use (MADV_DONTNEED drops page table entries, not the page cache), so the resident set stays
     a few blocks. As with every mmap reader (safetensors' safe_open too), a file truncated by another process while
     it is compared ends the process with SIGBUS; sizes are checked against the headers first.

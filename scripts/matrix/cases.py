@@ -647,7 +647,7 @@ def engine_key(name: str) -> str:
 def case_digests(root: Path) -> dict[tuple[str, str], str]:
     """(case, variant) -> pair digest of every loader and engine case built now under root (variant: "original",
     "per-layer", "per-layer --flat-keys-only", "pad-global"); what tests/test_ledger.py compares with the ledger."""
-    from converter.proof.digest import pair_digest
+    from matrix.digest import pair_digest
 
     digests: dict[tuple[str, str], str] = {}
     for name in SOURCES:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
-from converter.proof.digest import pair_digest
+from matrix.digest import pair_digest
 from matrix.cases import DRAFT_CONTROLS, ENGINE_SOURCES, ORIGINAL, BuiltOnce, EnginePair
 from matrix.envs import MissingEnv
 from matrix.rows import CarriedOver, Family, Measured, RowMismatch, carried_group, expect, today

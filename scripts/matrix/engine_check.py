@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 
 from converter.advice.ledger import CHECK_ENGINE, FAIL, NOT_RUN, PASS, LedgerRow
 from converter.hub.card import render_card
-from converter.proof.digest import pair_digest
+from matrix.digest import pair_digest
 from converter.read.checkpoint import MANIFEST_NAME
 from converter.gemma4 import text_config_of
 from matrix.cases import (CONVERSIONS, DEQUANTIZE_ASSISTANT, DEQUANTIZED_ENGINE_CASE, DEQUANTIZED_ENGINE_FORM,

@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, PASS, LedgerRow
-from converter.proof.digest import pair_digest
+from matrix.digest import pair_digest
 from matrix.cases import (DRAFT_CONTROLS, LLAMACPP, LLAMACPP_SOURCES, LLAMACPP_TRANSFORMERS, ORIGINAL, EnginePair,
                           build_engine_case, draft_control_pairs)
 from matrix.consumer_envs import consumer_python

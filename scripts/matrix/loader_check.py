@@ -25,7 +25,7 @@ from converter.advice.ledger import CHECK_LOADER, FAIL, PASS, SCOPE_ASSISTANT, L
 from converter.advice.serving import (AMBIGUOUS, KV_SHARING, NO_UNIFIED_DRAFT, UNKNOWN_MODEL_TYPE, ServingEnv, predict,
                                       shape_of)
 from converter.gemma4 import text_config_of
-from converter.proof.digest import pair_digest
+from matrix.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
 from matrix.rows import CarriedOver, Family, Measured, RowMismatch, expect, never_carried, today
 from matrix.cases import (CONVERSIONS, DEQUANTIZE_ASSISTANT, LOADER_ROWS, MIXED, ORIGINAL, SOURCES, BuiltOnce,

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
-from converter.proof.digest import pair_digest
+from matrix.digest import pair_digest
 from matrix.cases import (DRAFT_CONTROLS, MLX_DRAFT_SOURCES, MLX_DRAFTING_SOURCES, MLX_LM, MLX_SOURCES,
                           MLX_TRANSFORMERS, MLX_VLM, MLX_VLM_TRANSFORMERS, ORIGINAL, EnginePair, build_engine_case,
                           draft_control_pairs)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from converter.advice.ledger import CHECK_LOADER, FAIL, PASS, LedgerRow
-from converter.proof.digest import pair_digest
+from matrix.digest import pair_digest
 from matrix.cases import ORIGINAL, RANK_ENV, RANK_SOURCES, RANK_TP_SIZES, SOURCES, build_loader_case
 from matrix.envs import MissingEnv, VllmEnv, find_env
 from matrix.rows import CarriedOver, Family, Measured, RowMismatch, carried_group, expect, never_carried, today

@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
-from converter.proof.digest import pair_digest
+from matrix.digest import pair_digest
 from matrix.cases import (ORIGINAL, SGLANG_DRAFT_SOURCES, SGLANG_LIMITS, SGLANG_RELEASES, SGLANG_SOURCES, SOURCES,
                           build_loader_case)
 from matrix.consumer_envs import consumer_python

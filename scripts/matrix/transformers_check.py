@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from converter.advice.ledger import CHECK_CONSUMER, FAIL, NOT_RUN, PASS, LedgerRow
-from converter.proof.digest import pair_digest
+from matrix.digest import pair_digest
 from matrix.cases import (CONSUMER_ROWS, ENGINE_SOURCES, ORIGINAL, TRANSFORMERS_FORM_LIMITS, TRANSFORMERS_LIMITS,
                           EnginePair, build_engine_case)
 from matrix.consumer_rows import (as_expected, carried_or_report, consumer_family, expect_varied,

@@ -11,8 +11,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..read.checkpoint import INDEX_NAME, read_checkpoint, read_json
-from ..read.sequential import MappedFile
+from converter.read.checkpoint import INDEX_NAME, read_checkpoint, read_json
+from converter.read.sequential import MappedFile
 
 
 def tensor_digests(path: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
