@@ -18,8 +18,8 @@ the ledger has them).
 --case NAME: run only the rows of that case (cases.py SOURCES / ENGINE_SOURCES; repeatable) and replace only its
 rows: a new case joins the ledger without every env of the matrix (SPEC: the envs its rows run in).
 --vllm X: run only the rows of vLLM release X and replace only its rows (`make release VLLM=X`, scripts/release.py).
-exit: 0 ledger written; 1 a unit or a control failed or an env could not be built (the ledger is left as it was, and the rows
-that passed are kept in RESUME_FILE for `--resume`); 2 usage.
+exit: 0 ledger written; 1 a unit or a control failed or an env could not be built (the ledger is left as it was, and
+the rows that passed are kept in RESUME_FILE for `--resume`); 2 usage.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def judge_fails_as_original(errors: dict[str, str | None], original: dict[str, s
 
 def surprises(rows: list[LedgerRow]) -> str:
     """The rows whose verdict is not their expected one, one line each ("" when every row is as expected)."""
-    return "\n".join(f"{r.layout}: {r.verdict} (expected {r.expected}) {r.detail}" for r in rows if r.verdict != r.expected)
+    return "\n".join(f"{r.layout}: {r.verdict} (expected {r.expected}) {r.detail}" for r in rows
+                     if r.verdict != r.expected)
 
 
 def as_expected(unit: str, rows: list[LedgerRow]) -> Measured:

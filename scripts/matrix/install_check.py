@@ -106,6 +106,6 @@ def measure(specs: list[str], work: Path, carried_over: CarriedOver) -> Iterator
                 yield Measured(spec, mismatch=str(mismatch))
 
 
-FAMILY = Family("install", CHECK_INSTALL, ("tests/test_install.py::test_installing_beside_vllm_changes_no_installed_package",
-                                           "tests/test_install.py::test_installing_into_every_env_of_the_matrix_changes_nothing"),
-                select, measure)
+FAMILY = Family("install", CHECK_INSTALL, tuple(f"tests/test_install.py::{test}" for test in (
+    "test_installing_beside_vllm_changes_no_installed_package",
+    "test_installing_into_every_env_of_the_matrix_changes_nothing")), select, measure)

@@ -276,8 +276,8 @@ def _failure_text(result: dict) -> str:
     stage = result["stage_failed"]
     if stage == "kv_sharing":
         bad = next(r for r in result["kv_sharing"] if not r["ok"])
-        return (f"kv_sharing: draft layer {bad['draft_layer']} has [head size, KV heads] {bad['draft']}, the target layer "
-                f"{bad['target_layer']} whose cache it reads {bad['target']}")
+        return (f"kv_sharing: draft layer {bad['draft_layer']} has [head size, KV heads] {bad['draft']}, the target "
+                f"layer {bad['target_layer']} whose cache it reads {bad['target']}")
     return f"{stage}: {result['error_type']}: {(result.get('error') or '').splitlines()[0][:160]}" if stage else ""
 
 

@@ -148,5 +148,6 @@ def measure_drafts(name: str, pair: EnginePair, work: Path, carried_over: Carrie
 LOADS = consumer_family("mlx-lm", CHECK_CONSUMER,
                         "tests/test_consumer_mlx.py::test_mlx_lm_loads_and_generates_like_the_original",
                         [(n,) for n in MLX_SOURCES], build_engine_case, measure_loads)
-DRAFTS = consumer_family("mlx-vlm", CHECK_DRAFT, "tests/test_consumer_mlx.py::test_mlx_vlm_drafts_like_the_original_pair",
+DRAFTS = consumer_family("mlx-vlm", CHECK_DRAFT,
+                         "tests/test_consumer_mlx.py::test_mlx_vlm_drafts_like_the_original_pair",
                          [(n,) for n in MLX_DRAFT_SOURCES], build_engine_case, measure_drafts)

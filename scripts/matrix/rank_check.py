@@ -89,5 +89,6 @@ def measure(names: list[str], work: Path, carried_over: CarriedOver) -> Iterator
             yield Measured(f"ranks-{name}", mismatch=str(mismatch))
 
 
-FAMILY = Family("TP ranks", CHECK_LOADER, ("tests/test_tp_ranks.py::test_every_rank_adds_up_to_the_unsharded_original",),
+FAMILY = Family("TP ranks", CHECK_LOADER,
+                ("tests/test_tp_ranks.py::test_every_rank_adds_up_to_the_unsharded_original",),
                 select, measure)

@@ -43,9 +43,9 @@ class Measured:
 
 @dataclass(frozen=True)
 class Family:
-    """A family of ledger rows the runner measures itself: its name, its check, the pytest tests that run its live subset by the
-    same functions (deselected from the runner's pytest pass), its units for a --case/--vllm selection, and how they
-    are measured."""
+    """A family of ledger rows the runner measures itself: its name, its check, the pytest tests that run its units
+    by the same functions (deselected from the runner's pytest pass), its units for a --case/--vllm selection, and
+    how they are measured."""
 
     name: str
     check: str

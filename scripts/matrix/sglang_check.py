@@ -127,6 +127,7 @@ LOADS = consumer_family("SGLang loads", CHECK_CONSUMER,
                         "tests/test_consumer_sglang.py::test_sglang_loads_every_tensor_like_the_checkpoint",
                         [(n, r) for n in SGLANG_SOURCES for r in sorted(SGLANG_RELEASES)], build_loader_case,
                         measure_loads)
-DRAFTS = consumer_family("SGLang drafts", CHECK_DRAFT, "tests/test_consumer_sglang.py::test_sglang_drafting_on_cpu_is_measured",
+DRAFTS = consumer_family("SGLang drafts", CHECK_DRAFT,
+                         "tests/test_consumer_sglang.py::test_sglang_drafting_on_cpu_is_measured",
                          [(n, r) for n in SGLANG_DRAFT_SOURCES for r in sorted(SGLANG_RELEASES)], build_loader_case,
                          measure_drafts)

@@ -84,8 +84,8 @@ def measure_unit(name: str, transformers: str, env: VllmEnv, pair: EnginePair, w
     unit = f"{name}-{transformers}"
     pairs = variants(pair)
     digests = {v: pair_digest(p / "target", p / "assistant") for v, p in pairs.items()}
-    kept, report = carried_or_report(unit, [consumer_row(name, v, env, env.transformers, d) for v, d in digests.items()],
-                                     carried_over, lambda: env.python, CONSUMER, pair.reference, pairs, work)
+    rows = [consumer_row(name, v, env, env.transformers, d) for v, d in digests.items()]
+    kept, report = carried_or_report(unit, rows, carried_over, lambda: env.python, CONSUMER, pair.reference, pairs, work)
     if kept is not None:
         return kept
     expect(report["transformers"] == env.transformers, report["transformers"])

@@ -1,4 +1,5 @@
-"""The project's wheel and what it requires at run time (tests/test_install.py; the ledger's install rows, scripts/matrix/install_check.py)."""
+"""The project's wheel and what it requires at run time (tests/test_install.py; the ledger's install rows,
+scripts/matrix/install_check.py)."""
 
 from __future__ import annotations
 
