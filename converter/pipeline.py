@@ -595,7 +595,7 @@ def _card_writer(plan: ConversionPlan, item: PlannedCheckpoint) -> Callable[[dic
     `upload OUT OWNER/NAME` names the repos), quoting the source's card's license."""
     from .hub.card import output_card  # the ledger tables: only a written output needs them
     from .hub.provenance import infer_base_model
-    from .read.card import front_matter_of
+    from .read.front_matter import front_matter_of
 
     name = plan.request.out.absolute().name
     names = {Role.TARGET: name, Role.ASSISTANT: name + ASSISTANT_SUFFIX} if item.role is not Role.SINGLE else \

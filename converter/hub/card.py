@@ -42,7 +42,7 @@ def output_card(manifest: Mapping[str, Any], *, name: str, partner: str | None, 
         manifest: the checkpoint's conversion.json document.
         name: the repo name this checkpoint would get; partner: its partner's, in a pair.
         source_card: whether the source had a README.md (kept beside as README.source.md); source_front_matter: its
-            front matter (read.card.front_matter_of).
+            front matter (read.front_matter.front_matter_of).
         base_model: the source's Hub repo id, if known.
     """
     own = f"{PLACEHOLDER_OWNER}/{name}"

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 from .. import __version__
 from ..errors import InputError, UsageError, VerificationFailed
 from ..gemma4 import Role
-from ..read.card import front_matter_of
+from ..read.front_matter import front_matter_of
 from ..read.checkpoint import CARD_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, VERIFICATION_NAME, read_json
 from ..pairing import misread_draft_name
 from ..proof.files import file_problems, manifest_sha256
