@@ -24,7 +24,7 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo, filter_repo_objects
 
 from converter.cli import _common
-from converter.hub.errors import hub_http_client
+from converter.hub.failures import hub_http_client
 from converter.gemma4 import Role
 from converter.pipeline import ConvertRequest, execute, plan_conversion
 from converter.proof.files import manifest_sha256

@@ -25,7 +25,7 @@ from huggingface_hub.errors import (
 )
 
 from converter.errors import HubError, InputError, UsageError
-from converter.hub.errors import describe_hub_error
+from converter.hub.failures import describe_hub_error
 
 from _hub_fakes import RemoteRepo, http_error, httpx, use_api
 

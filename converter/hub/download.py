@@ -23,7 +23,7 @@ from ..gemma4 import read_spec, Role
 from ..read.checkpoint import (INDEX_NAME, MANIFEST_NAME, NOT_COPIED_NAMES, NOT_COPIED_SUFFIXES, SINGLE_NAME,
                                VERIFICATION_NAME, Checkpoint, check_weight_map, read_checkpoint, read_json)
 from ..read.safetensors_header import ShardHeader, read_header, shard_from_entries
-from .errors import hub_errors, hub_http_client, transfer_errors
+from .failures import hub_errors, hub_http_client, transfer_errors
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi

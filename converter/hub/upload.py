@@ -22,7 +22,7 @@ from ..read.checkpoint import CARD_NAME, MANIFEST_NAME, SOURCE_CARD_NAME, VERIFI
 from ..pairing import misread_draft_name
 from ..proof.files import file_problems, manifest_sha256
 from .download import ASSISTANT_SUFFIX
-from .errors import hub_errors, transfer_errors
+from .failures import hub_errors, transfer_errors
 from .provenance import infer_base_model, public_manifest, scrub_paths
 
 ENGINE_REPORT_NAME = "serve_check.json"  # `make serve-check REPORT=DST/serve_check.json`: quoted on both cards
