@@ -35,7 +35,8 @@ ci-envs:
 
 # docs/COMPATIBILITY.md: the whole loader + engine + install + consumer matrix into converter/advice/ledger.json
 # (incremental: rows whose output digest and env are unchanged are carried over; COMPAT_ARGS=--all re-runs every row;
-# COMPAT_ARGS='--check install' or '--check consumer' re-runs only that check's rows)
+# COMPAT_ARGS='--check loader' (or install, consumer, engine, draft) re-runs only that check's rows; the runner
+# measures every row itself, scripts/matrix/*_check.py, and pytest runs only the controls)
 compat:
 	$(PY) scripts/run_ledger.py $(COMPAT_ARGS) $(ALL_ENVS)
 
