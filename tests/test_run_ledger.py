@@ -64,3 +64,22 @@ def test_a_row_the_ledger_holds_is_carried_over_without_a_checker(loader_case, t
     key, digest, torch = asked[0]
     assert key == row_key(row, env, digest) and len(digest) == 64 and torch == "2.13.0"
     assert not (tmp_path / "work").exists()  # no checker batch was written
+
+
+def test_a_family_that_crashes_fails_the_run_and_keeps_the_rows_measured_before(run_ledger, monkeypatch, tmp_path):
+    from matrix import envs
+    from matrix.rows import Family, Measured
+
+    monkeypatch.setenv(envs.PYTHONS_VAR, "")  # measure_families sets it; restored after the test
+    held = next(r for r in load_ledger() if r.check == CHECK_LOADER)
+
+    def measure(units, work, carried_over):
+        yield Measured("first", (held,))
+        raise TimeoutError("the consumer ran past its timeout")
+
+    crashing = Family("crashing", CHECK_LOADER, (), lambda cases, vllm: ["first", "second"], measure)
+    steady = Family("steady", CHECK_ENGINE, (), lambda cases, vllm: ["only"],
+                    lambda units, work, carried_over: iter([Measured("only", (held,))]))
+    rows, failed, seconds = run_ledger.measure_families([crashing, steady], [], tmp_path, cases=(), vllm="",
+                                                        reuse=False, resume=None)
+    assert rows == [held, held] and failed == 1 and set(seconds) == {"crashing", "steady"}
