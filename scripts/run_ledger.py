@@ -45,7 +45,7 @@ from matrix import (engine_check, envs, install_check, llamacpp_check, loader_ch
                     rank_check, sglang_check, transformers_check)
 from matrix.cases import RELEASES  # noqa: E402
 from matrix.ledger_file import ledger_document  # noqa: E402
-from matrix.rows import Family, carried_rows, unchanged_row  # noqa: E402
+from matrix.rows import Family, carried_over_from, carried_rows  # noqa: E402
 from matrix.doc_tables import render_markdown, with_release_table  # noqa: E402
 
 DOC = REPO / "docs" / "COMPATIBILITY.md"
@@ -103,13 +103,12 @@ def measure_families(families: list[Family], pythons: list[str], work: Path, *, 
     `pythons` fails, naming the envs.sh spec that builds it."""
     os.environ[envs.PYTHONS_VAR] = os.pathsep.join(pythons)
     envs.all_envs.cache_clear()
-    carried = carried_rows(resume) if reuse else ()
+    carried_over = carried_over_from(carried_rows(resume) if reuse else ())
     recorded, failed, seconds = [], 0, {}
     for family in families:
         started, kept, fresh, missed, selected = time.monotonic(), 0, 0, 0, family.select(cases, vllm)
         try:
-            for outcome in family.measure(selected, work / family.name.replace(' ', '-'),
-                                          lambda key, digest, torch: unchanged_row(carried, key, digest, torch)):
+            for outcome in family.measure(selected, work / family.name.replace(' ', '-'), carried_over):
                 if outcome.mismatch:
                     print(f"compat: FAILED {family.name} {outcome.name}: {outcome.mismatch[-2000:]}", file=sys.stderr)
                     missed += 1

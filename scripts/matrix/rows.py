@@ -72,9 +72,13 @@ def carried_rows(resume: Path | None = None) -> tuple[LedgerRow, ...]:
     return rows
 
 
-def unchanged_row(rows: tuple[LedgerRow, ...], key: tuple, digest: str, torch: str) -> LedgerRow | None:
-    """The row of `rows` measured on this very output (digest) and env (key, torch), or None."""
-    return next((row for row in rows if row.key == key and row.digest == digest and row.torch == torch), None)
+def carried_over_from(rows: tuple[LedgerRow, ...]) -> CarriedOver:
+    """carried_over(key, digest, torch): the first of `rows` measured on this very output (digest) and env (key,
+    torch), or None; `rows` indexed once, not scanned for every unit."""
+    index: dict[tuple, LedgerRow] = {}
+    for row in rows:
+        index.setdefault((row.key, row.digest, row.torch), row)
+    return lambda key, digest, torch: index.get((key, digest, torch))
 
 
 def carried_group(rows: list[LedgerRow], carried_over: CarriedOver) -> tuple[LedgerRow, ...] | None:
