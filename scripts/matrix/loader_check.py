@@ -59,6 +59,7 @@ class CasePairs:
     def __init__(self, root: Path, variants_of: Callable[[str], dict[str, Path]] | None = None) -> None:
         self.root = root
         self.variants = variants_of or BuiltOnce(build_loader_case, root / "cases")
+        self._digests: dict[tuple[str, str], str] = {}
 
     def pair(self, source: str, variant: str) -> Path:
         if variant != MIXED:
@@ -70,9 +71,15 @@ class CasePairs:
             (mixed / "assistant").symlink_to(self.pair(source, ORIGINAL) / "assistant")
         return mixed
 
-
-def pair_digest_of(pair: Path) -> str:
-    return pair_digest(pair / "target", pair / "assistant")
+    def digest(self, source: str, variant: str) -> str:
+        """The pair digest the ledger keys this variant by, hashed once for all the envs it is checked in ("" for
+        MIXED, a control and no row)."""
+        if variant == MIXED:
+            return ""
+        if (source, variant) not in self._digests:
+            pair = self.pair(source, variant)
+            self._digests[source, variant] = pair_digest(pair / "target", pair / "assistant")
+        return self._digests[source, variant]
 
 
 # ------------------------------------------------------------------------------------ running the checker
@@ -384,8 +391,7 @@ def measure_rows(rows: list[LoaderRow], env_of: Callable[[LoaderRow], VllmEnv], 
         except MissingEnv as missing:
             yield Measured(row.id, mismatch=str(missing))
             continue
-        pair = pairs.pair(row.source, row.variant)
-        digest = pair_digest_of(pair) if row.variant != MIXED else ""
+        digest = pairs.digest(row.source, row.variant)
         kept = carried_over(row_key(row, env, digest), digest, env.torch) if row.variant != MIXED else None
         if kept is not None:
             yield Measured(row.id, (kept,), carried=True)
