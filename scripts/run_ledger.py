@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"carry over the passed rows of an earlier failed run (it saves them in {RESUME_FILE})")
     parser.add_argument("--timings", type=Path, help="write env build and per-module seconds to this JSON file")
     parser.add_argument("--check", choices=sorted(CHECK_CONTROLS),
-                        help="run only this check's tests; the ledger's other rows are kept as they are")
+                        help="run only this check's rows and controls; the ledger's other rows are kept as they are")
     parser.add_argument("--case", action="append", default=[], metavar="NAME",
                         help="run only this case's rows (repeatable); the ledger's other rows are kept as they are")
     parser.add_argument("--vllm", default="", metavar="X",
@@ -188,12 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gemma4-compat-") as tmp:
         junit = Path(tmp) / "junit.xml"
         families = [family for family in FAMILIES if args.check in (None, family.check)]
-        measured, failed, family_seconds = measure_families(families, pythons, Path(tmp), cases=tuple(args.case),
-                                                            vllm=args.vllm, reuse=reuse, resume=args.resume)
+        rows, failed, family_seconds = measure_families(families, pythons, Path(tmp), cases=tuple(args.case),
+                                                        vllm=args.vllm, reuse=reuse, resume=args.resume)
         code = run_controls(pythons, junit, tests=CHECK_CONTROLS[args.check] if args.check else CONTROLS,
                             cases=tuple(args.case), vllm=args.vllm)
         code = code or (1 if failed else 0)
-        rows = measured
         lines = [json.dumps(asdict(row)) for row in rows]
         if args.check or args.case or args.vllm:
             rows = merged(load_ledger(), rows, lambda r: (not args.check or r.check == args.check)
