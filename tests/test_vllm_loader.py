@@ -14,6 +14,7 @@ The unmarked tests at the end check the checker's pure mapping functions and the
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -49,6 +50,7 @@ def batched(request, pairs, tmp_path_factory):
     saved a row)."""
     root = tmp_path_factory.mktemp("batches")
     results: dict[str, tuple[int, dict, str]] = {}
+    batches = itertools.count()  # a folder per batch: a batch that wrote no JSON may be tried again
     selected = [item.callspec.params["row"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_stock_vllm_load" and hasattr(item, "callspec")]
 
@@ -56,7 +58,8 @@ def batched(request, pairs, tmp_path_factory):
         if row.id not in results:
             rows = [r for r in selected if r.env_spec == row.env_spec and loaders_only(r) == loaders_only(row)
                     and r.id not in results]
-            results.update(run_batch(env, rows if row in rows else [row], pairs, root / f"batch-{len(results)}"))
+            results.update(run_batch(env, rows if row in rows else [row], pairs,
+                                     root / f"{env.python.parent.parent.name}-{next(batches)}"))
         assert row.id in results, f"the batched checker wrote no JSON for {row.id}"
         return results[row.id]
     return result
