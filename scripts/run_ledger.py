@@ -152,10 +152,18 @@ def module_seconds(junit: Path) -> dict[str, float]:
     return seconds
 
 
-def write_docs(rows: list) -> None:
+def write_docs(rows: list, *, doc: Path = DOC, readme: Path = README) -> None:
     """docs/COMPATIBILITY.md and the README's release table, generated from the ledger's rows."""
-    DOC.write_text(render_markdown(rows), encoding="utf-8")
-    README.write_text(with_release_table(README.read_text(encoding="utf-8"), rows), encoding="utf-8")
+    doc.write_text(render_markdown(rows), encoding="utf-8")
+    readme.write_text(with_release_table(readme.read_text(encoding="utf-8"), rows), encoding="utf-8")
+
+
+def write_ledger(rows: list, releases: dict[str, str], *, ledger: Path = LEDGER_PATH, doc: Path = DOC,
+                 readme: Path = README) -> None:
+    """ledger.json, then the docs rendered from the rows as that file holds them (sorted): what `--docs-only`
+    renders from the committed ledger, byte for byte."""
+    ledger.write_text(json.dumps(ledger_document(rows, releases), indent=1) + "\n", encoding="utf-8")
+    write_docs(list(load_ledger(ledger)), doc=doc, readme=readme)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
               f"COMPAT_ARGS='--resume {RESUME_FILE}'` re-runs only the rest", file=sys.stderr)
         return 1
     releases = {release.vllm: release.transformers_range for release in RELEASES if release.transformers_range}
-    LEDGER_PATH.write_text(json.dumps(ledger_document(rows, releases), indent=1) + "\n", encoding="utf-8")
-    write_docs(rows)
+    write_ledger(rows, releases)
     fresh = sum(row.measured == datetime.date.today().isoformat() for row in rows)
     print(f"compat: {len(rows)} rows ({fresh} measured today, the rest carried over) -> "
           f"{LEDGER_PATH.relative_to(REPO)}, {DOC.relative_to(REPO)}; envs {env_seconds:.0f} s, total {wall:.0f} s")

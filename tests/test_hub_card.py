@@ -185,5 +185,5 @@ def test_a_pair_of_mismatched_bases_is_a_warning_in_the_dry_run(sources, tmp_pat
     (None, "google/gemma-4-E4B-it-assistant", False),
 ])
 def test_mismatched_bases_compares_gemma4_sizes(target, assistant, warns):
-    from converter.hub.upload import mismatched_bases
+    from converter.hub.publish import mismatched_bases
     assert (mismatched_bases(target, assistant) is not None) == warns

@@ -154,7 +154,7 @@ def test_every_stage_folder_is_a_package_with_a_docstring():
 @pytest.mark.parametrize("imports, expected", [
     ({"converter.plan": {"converter.write.shard"}, "converter.write.shard": set()}, "back up the pipeline"),
     ({"converter.read.checkpoint": {"converter.pipeline"}, "converter.pipeline": set()}, "back up the pipeline"),
-    ({"converter.proof.verify": {"converter.advice.report"}, "converter.advice.report": set()}, "sibling rooms"),
+    ({"converter.proof.verification": {"converter.advice.report"}, "converter.advice.report": set()}, "sibling rooms"),
     ({"converter.pipeline": {"scripts.matrix.synthetic"}}, "scripts/ is its own program"),
     ({"converter.cli.convert": {"scripts.consumers.vllm.check"}}, "scripts/ is its own program"),
     ({"converter.plan": {"converter.layouts.base"}, "converter.layouts.base": {"converter.plan"}}, "a circle"),

@@ -83,3 +83,17 @@ def test_a_family_that_crashes_fails_the_run_and_keeps_the_rows_measured_before(
     rows, failed, seconds = run_ledger.measure_families([crashing, steady], [], tmp_path, cases=(), vllm="",
                                                         reuse=False, resume=None)
     assert rows == [held, held] and failed == 1 and set(seconds) == {"crashing", "steady"}
+
+
+def test_the_docs_a_run_writes_are_those_docs_only_renders(run_ledger, tmp_path):
+    """A run's rows come in the order measured; the docs it writes must be the ones `--docs-only` renders from the
+    ledger file it wrote (the file's sorted order), or CI's stale-docs check fails on a fresh run."""
+    rows = list(load_ledger())
+    measured_order = rows[::-1]  # ties in the ledger's sort key (same case, variant, versions) come reversed too
+    ledger, doc, readme = tmp_path / "ledger.json", tmp_path / "COMPATIBILITY.md", tmp_path / "README.md"
+    readme.write_text((REPO / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
+    run_ledger.write_ledger(measured_order, {}, ledger=ledger, doc=doc, readme=readme)
+    written = doc.read_text(encoding="utf-8")
+    run_ledger.write_docs(list(load_ledger(ledger)), doc=doc, readme=readme)
+    assert doc.read_text(encoding="utf-8") == written
+    assert written == run_ledger.render_markdown(rows)  # the committed ledger's own rows render the same page

@@ -219,3 +219,11 @@ def test_the_12b_family_floors_are_predicted_and_no_layout_lifts_them():
     for env in (ServingEnv("0.27.0", "5.8.0"), ServingEnv("0.22.1", "5.24.0")):
         decision = decide(Shape(FORM_FLAT, KV_MIXED, (8, 1, 2), unified=True), env)
         assert decision.layout is None and "gemma4_unified" in decision.why, decision
+
+
+def test_serving_env_is_a_plain_value_class():
+    """Two environments built alike are equal values of the class, not one cached instance of a wrapped constructor
+    (a stray cache decorator once turned ServingEnv into a function: isinstance raised TypeError)."""
+    old, new = ServingEnv("0.27.0", "5.14.1"), ServingEnv("0.27.0", "5.24.0")
+    assert isinstance(old, ServingEnv) and isinstance(new, ServingEnv)
+    assert ServingEnv("0.27.0", "5.14.1") == old and ServingEnv("0.27.0", "5.14.1") is not old

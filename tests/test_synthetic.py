@@ -101,6 +101,21 @@ def test_every_dialect_resolves_to_the_same_geometry(tmp_path, dialect):
     assert [(g.head_dim, g.num_kv_heads) for g in spec.attention.layers] == [(16, 16)] * 5 + [(32, 4)]
 
 
+@pytest.mark.parametrize("dialect", ["legacy", "per_layer_config"])
+def test_the_12b_vision_config_spells_out_its_model_patch_size_as_released(tmp_path, dialect):
+    """Google's 12B config.json carries vision_config.model_patch_size (48 = 16 x 3), which transformers'
+    save_pretrained drops as derived and SGLang 0.5.23 reads as a plain key (docs/DESIGN.md "The 12B family's floors"):
+    the per_layer_config case, written by save_pretrained, gets it back; the legacy one never loses it."""
+    from matrix.synthetic import resave_documents, write_pair
+
+    target, _ = write_pair(tmp_path / dialect, preset=tiny_preset("12b"), dialect=dialect, unified=True)
+    vision = json.loads((target / "config.json").read_text())["vision_config"]
+    assert vision["model_patch_size"] == vision["patch_size"] * vision["pooling_kernel_size"] == 48
+    assert vision["num_soft_tokens"] == 280
+    _, resaved = resave_documents({"target": json.loads((target / "config.json").read_text())})
+    assert "model_patch_size" not in resaved["target"]["vision_config"]  # what the put-back is for
+
+
 def test_the_qat_target_holds_q4_0_grid_values_and_both_layouts_keep_them(tmp_path):
     """Google's 26B-A4B QAT (bf16 on ggml's Q4_0 grid): every block of 32 inputs of each projection and expert holds
     at most 16 distinct values (4-bit codes times one scale), where the unsnapped factory weights hold 32; per-layer

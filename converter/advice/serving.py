@@ -8,7 +8,6 @@ loader for every row it runs; docs/VLLM_CHECK.md): docs/DESIGN.md "What stock vL
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import subprocess
@@ -41,7 +40,6 @@ NO_UNIFIED_DRAFT = "NotImplementedError"  # vLLM's SpeculativeConfig: "Unsupport
 FAMILY_FLOORS = (UNKNOWN_MODEL_TYPE, NO_UNIFIED_DRAFT)
 
 
-@functools.lru_cache(maxsize=1)
 @dataclass(frozen=True)
 class ServingEnv:
     """The versions vLLM runs with: read from the serving python (`--serving-python`) or declared (`--serving`);

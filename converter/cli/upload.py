@@ -8,7 +8,7 @@ import click
 
 from ..cost import human_bytes
 from ..gemma4 import Role
-from ..hub.upload import UploadPlan, UploadRequest, execute_upload, plan_upload
+from ..hub.publish import UploadPlan, UploadRequest, execute_upload, plan_upload
 from ._common import PATH, hub_api
 
 

@@ -9,7 +9,7 @@ import click
 from ..errors import UsageError, VerificationFailed
 from ..gemma4 import Role
 from ..hub.download import LocalSource
-from ..proof.verify import VerifyReport, VerifyRequest, load_pairs, verify
+from ..proof.verification import VerifyReport, VerifyRequest, load_pairs, verify
 from ..read.checkpoint import VERIFICATION_NAME
 from ..write.staging import write_json
 from ._common import PATH, SOURCE, resolve_cli_source

@@ -1,7 +1,7 @@
-"""What one numerical check of `verify` found: produced by numerics.py, reported by verify.py.
+"""What one numerical check of `verify` found: produced by numerics.py, reported by verification.py.
 
-Its own module so the arrows point one way (verify -> numerics -> checks, verify -> checks) and so that
-importing verify.py (the CLI does, for every verb) needs no torch.
+Its own module so the arrows point one way (verification -> numerics -> checks, verification -> checks) and so that
+importing verification.py (the CLI does, for every verb) needs no torch.
 """
 
 from __future__ import annotations

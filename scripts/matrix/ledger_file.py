@@ -11,9 +11,10 @@ from converter.advice.ledger import CHECK_INSTALL, CHECK_LOADER, INSTALL_LAYOUT,
 
 
 def sorted_rows(rows: Iterable[LedgerRow]) -> list[LedgerRow]:
-    """Rows in the ledger's stable order: check, case, variant, release, transformers, TP, dtype."""
+    """Rows in the ledger's order: check, case, variant, release, transformers, TP, dtype, consumer, form (every
+    field of a row's key, so the order does not depend on the order the rows were measured in)."""
     return sorted(rows, key=lambda r: (r.check, r.case, r.variant, version_key(r.vllm), version_key(r.transformers),
-                                       r.tp, r.dtype))
+                                       r.tp, r.dtype, r.consumer, r.form))
 
 
 def ledger_document(rows: Iterable[LedgerRow], releases: dict[str, str] | None = None) -> dict[str, Any]:

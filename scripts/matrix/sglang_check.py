@@ -2,13 +2,13 @@
 (ledger check `consumer`; docs/COMPATIBILITY.md, "Other consumers").
 
 scripts/consumers/sglang/check.py runs under an SGLang env per release of cases.SGLANG_RELEASES (requirements and
-setup in scripts/consumers/sglang; scripts/matrix/consumer_envs.py builds each once), on the loader cases of SGLANG_SOURCES,
-original, per-layer and pad-global: SGLang's ModelConfig and get_model on CPU, every loaded parameter equal to its
-checkpoint tensor (nothing unused), and the draft's head size and KV heads equal to the target layer whose cache it
-reads (SGLang's own build_frozen_kv_mtp_context; a pad-global target beside an unpadded assistant must fail
-that). Where SGLang cannot load the original (cases.SGLANG_LIMITS), the
-original's row says so and the layouts must load. Like the vLLM loader rows, no forward runs: SGLang's CPU engine
-needs its own kernel build.
+setup in scripts/consumers/sglang; scripts/matrix/consumer_envs.py builds each once), on the loader cases of
+SGLANG_SOURCES, original, per-layer and pad-global: SGLang's ModelConfig and get_model on CPU, every loaded parameter
+equal to its checkpoint tensor (nothing unused), and the draft's head size and KV heads equal to the target layer whose
+cache it reads (SGLang's own build_frozen_kv_mtp_context; a pad-global target beside an unpadded assistant must fail
+that). Where SGLang cannot load the original (cases.SGLANG_LIMITS), the original's row says so and the layouts must
+load; where it cannot load that form at all (cases.SGLANG_FORM_LIMITS), every variant must fail with the original's
+error (a `not run` row). Like the vLLM loader rows, no forward runs: SGLang's CPU engine needs its own kernel build.
 
 The drafting rows (ledger check `draft`): scripts/consumers/sglang/draft.py starts SGLang's engine with the assistant
 drafting (FROZEN_KV_MTP) on the CPU, both ways SGLang offers, for the original and both layouts of
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from converter.advice.ledger import CHECK_CONSUMER, CHECK_DRAFT, FAIL, NOT_RUN, PASS, LedgerRow
 from matrix.digest import pair_digest
-from matrix.cases import (ORIGINAL, SGLANG_DRAFT_SOURCES, SGLANG_LIMITS, SGLANG_RELEASES, SGLANG_SOURCES, SOURCES,
-                          build_loader_case)
+from matrix.cases import (ORIGINAL, SGLANG_DRAFT_SOURCES, SGLANG_FORM_LIMITS, SGLANG_LIMITS, SGLANG_RELEASES,
+                          SGLANG_SOURCES, SOURCES, build_loader_case)
 from matrix.consumer_envs import consumer_python
 from matrix.consumer_rows import as_expected, carried_or_report, consumer_family, judge_fails_as_original
 from matrix.rows import CarriedOver, Measured, expect, never_carried, today
@@ -57,7 +57,7 @@ def judge(got: dict) -> tuple[str, str, dict]:
 
 def sglang_row(name: str, variant: str, release: str, digest: str, verdict: str = PASS, detail: str = "",
                figures: dict | None = None, check: str = CHECK_CONSUMER) -> LedgerRow:
-    if check == CHECK_DRAFT:
+    if check == CHECK_DRAFT or (release, name) in SGLANG_FORM_LIMITS:
         expected = NOT_RUN
     else:
         expected = FAIL if variant == ORIGINAL and (release, name) in SGLANG_LIMITS else PASS
@@ -97,6 +97,12 @@ def measure_loads(name: str, release: str, variants: dict[str, Path], work: Path
     expect(report["sglang"] == release and report["transformers"] == SGLANG_RELEASES[release], report)
     expect(report["torch"].endswith("+cpu"), report["torch"])
     results = {ORIGINAL: report["pairs"]["reference"], **{v: report["pairs"][v] for v in pairs if v != ORIGINAL}}
+    limit = SGLANG_FORM_LIMITS.get((release, name))
+    if limit:
+        original = {"load": results[ORIGINAL].get("error")}
+        expect(original["load"], results[ORIGINAL])  # the original itself: the release's limit, measured
+        return as_expected(unit, [sglang_row(name, v, release, digests[v], *judge_fails_as_original(
+            {"load": results[v].get("error")}, original, limit)) for v in VARIANTS])
     verdict, detail, _ = judge(report["pairs"]["mixed"])
     expect(verdict == FAIL and "draft layer" in detail, f"the mixed pair's KV geometry went unnoticed: {detail}")
     return as_expected(unit, [sglang_row(name, v, release, digests[v], *judge(results[v])) for v in VARIANTS])

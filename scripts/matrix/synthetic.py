@@ -284,7 +284,16 @@ def in_dialect(documents: dict[str, dict], dialect: str, *, saved_by: str | None
         if dialect == "both":
             original = text_config_of(documents[name])
             text.update({k: original[k] for k in ("global_head_dim", "num_global_key_value_heads")})
+        _keep_released_vision_keys(doc, documents[name])
     return saved
+
+
+def _keep_released_vision_keys(saved: dict, published: dict) -> None:
+    """Puts back the vision_config keys save_pretrained drops as derived (model_patch_size): Google's per_layer_config
+    12B file spells them out (UNIFIED_VISION)."""
+    vision, released = saved.get("vision_config"), published.get("vision_config")
+    if isinstance(vision, dict) and isinstance(released, dict):
+        vision.update({k: released[k] for k in RELEASED_VISION_KEYS if k in released and k not in vision})
 
 
 def _heterogeneous(text: dict) -> bool:
@@ -615,9 +624,14 @@ def write_tensors(out_dir: Path, specs: list[TensorSpec], *, num_shards: int = 1
 # patch_size x pooling_kernel_size as released (16 x 3 = 48-pixel model patches, a 6912-wide patch_ln1): transformers
 # derives model_patch_size from the two, mlx-vlm 0.7.10 reads it as a field defaulting to 48, so a smaller product
 # loads in transformers and not in mlx-vlm (measured: "Expected shape (6912,) but received shape (48,) for parameter
-# vision_embedder.patch_ln1.weight"), where Google's 12B loads in both
+# vision_embedder.patch_ln1.weight"), where Google's 12B loads in both. The released config.json also spells out
+# model_patch_size and num_soft_tokens (docs/DESIGN.md "The 12B family's floors"); transformers' save_pretrained drops
+# model_patch_size (a derived property), and SGLang 0.5.23, which parses gemma4_unified with transformers' Gemma4Config,
+# reads it as a plain key.
+RELEASED_VISION_KEYS = ("model_patch_size",)
 UNIFIED_VISION = {"model_type": "gemma4_unified_vision", "patch_size": 16, "pooling_kernel_size": 3,
-                  "mm_embed_dim": 16, "mm_posemb_size": 8, "output_proj_dims": 16, "rms_norm_eps": 1e-6}
+                  "model_patch_size": 48, "num_soft_tokens": 280, "mm_embed_dim": 16, "mm_posemb_size": 8,
+                  "output_proj_dims": 16, "rms_norm_eps": 1e-6}
 
 
 def as_unified(config: dict, role: str) -> dict:
