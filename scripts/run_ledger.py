@@ -136,13 +136,6 @@ def merged(ledger: tuple[LedgerRow, ...], new: list[LedgerRow], selected) -> lis
     return kept + [row for row in new if selected(row)]
 
 
-def in_ledger_order(rows: list[LedgerRow], ledger: tuple[LedgerRow, ...]) -> list[LedgerRow]:
-    """`rows` in the order the committed ledger holds their keys, new keys after (in the order measured): a run that
-    changes nothing rewrites the ledger and its docs byte for byte."""
-    place = {row.key: index for index, row in enumerate(ledger)}
-    return sorted(rows, key=lambda row: place.get(row.key, len(place)))
-
-
 def module_seconds(junit: Path) -> dict[str, float]:
     """Seconds per test module from pytest's junit report."""
     seconds: dict[str, float] = {}
@@ -205,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.check or args.case or args.vllm:
             rows = merged(load_ledger(), rows, lambda r: (not args.check or r.check == args.check)
                           and (not args.case or r.case in args.case) and (not args.vllm or r.vllm == args.vllm))
-        rows = in_ledger_order(rows, load_ledger())
         modules = dict(module_seconds(junit) if junit.exists() else {}, **family_seconds)
     wall = time.monotonic() - started
     if args.timings:
