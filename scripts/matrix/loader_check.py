@@ -22,8 +22,8 @@ from typing import Callable, Iterator
 
 from converter.advice.evidence import Shape
 from converter.advice.ledger import CHECK_LOADER, FAIL, PASS, SCOPE_ASSISTANT, LedgerRow
-from converter.advice.serving import (AMBIGUOUS, KV_SHARING, NO_UNIFIED_DRAFT, UNKNOWN_MODEL_TYPE, ServingEnv, predict,
-                                      shape_of)
+from converter.advice.serving import (AMBIGUOUS, KV_SHARING, LAYER_DEFAULTS, NO_UNIFIED_DRAFT, UNKNOWN_MODEL_TYPE,
+                                      ServingEnv, predict, shape_of)
 from converter.gemma4 import text_config_of
 from matrix.digest import pair_digest
 from converter.read.checkpoint import read_checkpoint
@@ -200,7 +200,8 @@ def expected_failure(pair: Path, env: VllmEnv) -> str | None:
 # predict's error -> (the checker's stage that fails, its exception type, a word its message holds)
 FAILING_STAGES = {AMBIGUOUS: ("model_config", AMBIGUOUS, "head_dim"),
                   UNKNOWN_MODEL_TYPE: ("model_config", "ValueError", "gemma4_unified"),
-                  NO_UNIFIED_DRAFT: ("speculative_config", "NotImplementedError", "mtp")}
+                  NO_UNIFIED_DRAFT: ("speculative_config", "NotImplementedError", "mtp"),
+                  LAYER_DEFAULTS: ("load_target", LAYER_DEFAULTS, "Attempted to load weight")}
 
 
 def kv_shared_layers_without_k(target: Path) -> list[int]:
